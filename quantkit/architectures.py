@@ -1,0 +1,79 @@
+"""Supported architectures, described as data: one table entry per family, no subclass per model.
+
+Module paths are relative to a decoder layer unless named otherwise. ``sequential_stages`` gives the
+order in which a block's linears are solved (true sequential: q/k/v, then o, then gate/up, then down);
+linears inside one stage share their input and form a fused group that runtimes such as vLLM load as
+one matrix, so they must share a quantization scheme.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from quantkit.errors import UnsupportedArchitectureError
+
+
+@dataclass(slots=True, frozen=True)
+class ScalingGroup:
+    """AWQ: ``prev``'s output scales are folded into ``linears``' input columns."""
+
+    prev: str
+    linears: tuple[str, ...]
+
+
+@dataclass(slots=True, frozen=True)
+class ArchSpec:
+    family: str
+    model_types: tuple[str, ...]
+    layers_path: str = "model.layers"
+    embed_path: str = "model.embed_tokens"
+    final_norm_path: str = "model.norm"
+    lm_head_path: str = "lm_head"
+    rotary_path: str = "model.rotary_emb"
+    sequential_stages: tuple[tuple[str, ...], ...] = (
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        ("self_attn.o_proj",),
+        ("mlp.gate_proj", "mlp.up_proj"),
+        ("mlp.down_proj",),
+    )
+    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    qkv_bias: bool = False
+    awq_groups: tuple[ScalingGroup, ...] = (
+        ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),  # only when the shapes allow it (no GQA)
+        ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+        ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
+    )
+
+    @property
+    def linears(self) -> tuple[str, ...]:
+        return tuple(name for stage in self.sequential_stages for name in stage)
+
+    @property
+    def fused_groups(self) -> tuple[tuple[str, ...], ...]:
+        return tuple(stage for stage in self.sequential_stages if len(stage) > 1)
+
+
+ARCHITECTURES: tuple[ArchSpec, ...] = (
+    ArchSpec(family="llama", model_types=("llama",)),
+    ArchSpec(family="mistral", model_types=("mistral",)),
+    ArchSpec(family="qwen2", model_types=("qwen2",), qkv_bias=True),
+    ArchSpec(
+        family="qwen3",
+        model_types=("qwen3",),
+        norms=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
+    ),
+)
+
+
+def supported_model_types() -> list[str]:
+    return sorted(t for spec in ARCHITECTURES for t in spec.model_types)
+
+
+def arch_for_model_type(model_type: str) -> ArchSpec:
+    for spec in ARCHITECTURES:
+        if model_type in spec.model_types:
+            return spec
+    raise UnsupportedArchitectureError(
+        f"architecture '{model_type}' is not supported; supported model types: {', '.join(supported_model_types())}"
+    )

@@ -1,0 +1,161 @@
+"""The `quantkit` command line: each command builds a config dataclass and calls one library function."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from quantkit import __version__
+from quantkit.config import CalibrationConfig, EvalConfig
+from quantkit.errors import QuantkitError
+
+app = typer.Typer(
+    name="quantkit",
+    help="Quantize Hugging Face causal LMs (RTN, GPTQ, AWQ, mixed precision), evaluate and serve them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+out = Console(emoji=False)
+err = Console(stderr=True, emoji=False, highlight=False)
+EXIT_INPUT_ERROR = 2
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"quantkit {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """quantkit: offline quantization and model compression for causal LMs."""
+
+
+ModelArg = Annotated[str, typer.Option("--model", "-m", help="Local HF directory, hub id, or alias (smollm2-135m).")]
+
+
+@app.command()
+def calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Safetensors file to write.")],
+    model: ModelArg = "smollm2-135m",
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="File (.txt/.jsonl/.json/.parquet), directory, or HF dataset name[:config][:split]."),
+    ] = None,
+    num_samples: Annotated[int, typer.Option(help="Number of windows.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same windows).")] = 0,
+    strategy: Annotated[str, typer.Option(help="random (windows over the joined text) or document.")] = "random",
+    min_length: Annotated[int | None, typer.Option(help="document strategy: minimum document tokens.")] = None,
+    select: Annotated[str, typer.Option(help="random, or diverse (TF-IDF + k-means coverage).")] = "random",
+    text_column: Annotated[str, typer.Option(help="Text field of jsonl/json/parquet/HF records.")] = "text",
+) -> None:
+    """Collect calibration token windows (default text: the shipped Jane Austen corpus)."""
+    from quantkit.calibration import build_calibration
+
+    config = CalibrationConfig(
+        model=model,
+        dataset=dataset,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        strategy=strategy,
+        min_length=min_length,
+        select=select,
+        text_column=text_column,
+        output=output,
+    )
+    result = build_calibration(config)
+    table = Table(title="Calibration")
+    table.add_column("field")
+    table.add_column("value")
+    meta = result.calibration.metadata
+    for key, value in (
+        ("output", str(output)),
+        ("windows", f"{result.calibration.num_samples} x {result.calibration.seq_len}"),
+        ("source", meta["source"]),
+        ("documents", str(result.documents)),
+        ("source tokens", f"{result.source_tokens:,}"),
+        ("source sha256", meta["source_hash"][:16]),
+        ("seconds", f"{result.seconds:.1f}"),
+    ):
+        table.add_row(key, value)
+    out.print(table)
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Argument(help="Model or quantized checkpoint: directory, hub id, or alias.")],
+    dataset: Annotated[
+        str | None, typer.Option(help="Evaluation text (file, directory or HF dataset); default: held-out Persuasion.")
+    ] = None,
+    seq_len: Annotated[int, typer.Option(help="Tokens per window.")] = 512,
+    max_windows: Annotated[int | None, typer.Option(help="Evaluate at most this many windows.")] = None,
+    stride: Annotated[int | None, typer.Option(help="Window stride (default: non-overlapping).")] = None,
+    reference: Annotated[
+        str | None, typer.Option(help="Reference model for KL divergence and top-1 agreement.")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = 4,
+    text_column: Annotated[str, typer.Option(help="Text field of jsonl/json/parquet/HF records.")] = "text",
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as one JSON object.")] = None,
+) -> None:
+    """Perplexity, and with --reference: KL divergence (mean, p99) and top-1 agreement."""
+    from quantkit.evaluate import evaluate
+
+    config = EvalConfig(
+        model=model,
+        dataset=dataset,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        stride=stride,
+        reference=reference,
+        batch_size=batch_size,
+        text_column=text_column,
+        json_path=json_out,
+    )
+    result = evaluate(config)
+    table = Table(title=f"Evaluation of {model}")
+    for column in ("perplexity", "tokens", "windows", "seq len", "KL mean", "KL p99", "top-1 agree", "seconds"):
+        table.add_column(column, justify="right")
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    table.add_row(
+        f"{result.perplexity:.3f}",
+        f"{result.tokens:,}",
+        str(result.windows),
+        str(result.seq_len),
+        fmt(result.kl_mean, ".5f"),
+        fmt(result.kl_p99, ".4f"),
+        fmt(result.top1_agreement, ".4f"),
+        f"{result.seconds:.1f}",
+    )
+    out.print(table)
+
+
+def main() -> None:
+    """Console entry point: user errors become one red line and exit code 2, never a traceback."""
+    try:
+        app()
+    except QuantkitError as exc:
+        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(EXIT_INPUT_ERROR)
+    except KeyboardInterrupt:
+        err.print("[bold red]interrupted[/]")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

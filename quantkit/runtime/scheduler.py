@@ -1,0 +1,249 @@
+"""Continuous-batching scheduler: admission, prefill/decode batches, preemption by recompute.
+
+Each step is either a prefill batch or a decode batch (``SchedulerOutput.is_prefill``):
+
+* Prefill first: sequences with a chunked prefill in progress, then new ones FIFO from ``waiting``
+  (strict FIFO: if the head does not fit, nothing behind it is admitted), bounded by
+  ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` uncached tokens and free blocks.
+  A prefill allocates blocks for the whole sequence even when only a chunk of it runs this step.
+* Otherwise every running sequence decodes one token, oldest arrival first. One that cannot get a
+  block for its next token preempts the most recently arrived running sequence (or itself when it is
+  the newest): the victim's blocks are freed and it goes back to the FRONT of ``waiting`` with its
+  generated tokens, so it is later re-prefilled as prompt + generated-so-far (its full blocks are
+  usually still in the prefix cache). A preempted sequence keeps its arrival stamp and so its priority.
+
+The caller loop is ``out = schedule()``; run the model on ``out``; ``postprocess(out.seqs, sampled)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16  # running sequences at most
+    max_num_batched_tokens: int = 2048  # tokens per step at most
+    max_model_len: int = 2048  # prompt + completion at most
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise QuantkitError(f"{name}={value!r} is invalid; use an integer >= 1")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise QuantkitError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is smaller than max_model_len="
+                f"{self.max_model_len}, so a long prompt could never be prefilled; raise max_num_batched_tokens "
+                "to at least max_model_len or enable chunked prefill"
+            )
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    seqs: list[Sequence]
+    is_prefill: bool
+    num_tokens: list[int]  # tokens to compute per sequence: a chunk when prefilling, 1 when decoding
+    preempted: list[Sequence] = field(default_factory=list)  # sent back to waiting this step (for metrics)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, eos_token_id: int | Iterable[int] | None
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        if eos_token_id is None:
+            self.eos_token_ids: frozenset[int] = frozenset()
+        elif isinstance(eos_token_id, int):
+            self.eos_token_ids = frozenset((eos_token_id,))
+        else:
+            self.eos_token_ids = frozenset(eos_token_id)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences by id
+        self._in_flight: dict[int, int] = {}  # seq_id -> tokens scheduled by the last schedule()
+        self._arrivals = itertools.count()
+
+    # ----------------------------------------------------------------- state
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def get(self, seq_id: int) -> Sequence | None:
+        return self._seqs.get(seq_id)
+
+    # ----------------------------------------------------------------- admission
+    def add(self, seq: Sequence) -> None:
+        """Queue a new request; one that could never run is rejected here, before it touches anything."""
+        if seq.status is not SequenceStatus.WAITING or seq.block_table or seq.seq_id in self._seqs:
+            raise QuantkitError(f"sequence {seq.seq_id} was already added or has finished; create a new Sequence")
+        seq.sampling_params.validate()
+        prompt, max_tokens = seq.num_prompt_tokens, seq.sampling_params.max_tokens
+        if prompt == 0:
+            raise QuantkitError(f"request {seq.seq_id} has an empty prompt; pass at least one token")
+        if prompt + max_tokens > self.config.max_model_len:
+            raise QuantkitError(
+                f"request {seq.seq_id}: prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {prompt + max_tokens} "
+                f"exceeds max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        # The KV of the final sampled token is never computed, so at most prompt + max_tokens - 1 tokens.
+        need = self.block_manager.blocks_needed(prompt + max_tokens - 1)
+        if need > self.block_manager.num_blocks:
+            raise QuantkitError(
+                f"request {seq.seq_id} needs up to {need} KV blocks but the cache has only "
+                f"{self.block_manager.num_blocks}; lower max_tokens or give the KV cache more memory"
+            )
+        seq.arrival = next(self._arrivals)
+        self._seqs[seq.seq_id] = seq
+        self.waiting.append(seq)
+
+    # ----------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput:
+        if self._in_flight:
+            raise RuntimeError("schedule() called before postprocess() of the previous step")
+        out = self._schedule_prefill()
+        if out.is_empty:
+            out = self._schedule_decode()
+        self._in_flight = {s.seq_id: n for s, n in zip(out.seqs, out.num_tokens, strict=True)}
+        return out
+
+    def _schedule_prefill(self) -> SchedulerOutput:
+        cfg, bm = self.config, self.block_manager
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = cfg.max_num_batched_tokens
+        # 1. Continue chunked prefills in progress (they already hold their blocks).
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:
+                n = min(seq.num_uncomputed_tokens, budget)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        # 2. Admit new sequences, strictly FIFO.
+        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            uncached = seq.num_tokens - bm.num_cached_tokens(seq)
+            if uncached > budget and not cfg.enable_chunked_prefill:
+                break
+            self.waiting.popleft()
+            bm.allocate(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return SchedulerOutput(seqs, True, counts)
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        bm = self.block_manager
+        pending = deque(sorted(self.running, key=lambda s: s.arrival))  # oldest first; victims from the back
+        self.running.clear()
+        batch: list[Sequence] = []
+        preempted: list[Sequence] = []
+        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        while pending and len(batch) < limit:
+            seq = pending.popleft()
+            while not bm.can_append(seq):
+                victim = pending.pop() if pending else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.may_append(seq)
+                batch.append(seq)
+        self.running.extend(batch)
+        self.running.extend(pending)  # over the batch limit: stay running, decode next step
+        return SchedulerOutput(batch, False, [1] * len(batch), preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)  # resets num_computed_tokens: everything is recomputed
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)  # later victims were pushed first, so waiting keeps arrival order
+
+    # ----------------------------------------------------------------- results
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Record one step's results; return the sequences that finished in it.
+
+        ``token_ids[i]`` is the token sampled for ``seqs[i]``; for a prefill chunk that does not reach the
+        end of the sequence it is ignored (pass anything, e.g. -1).
+        """
+        if len(seqs) != len(token_ids):
+            raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} sampled tokens")
+        finished: list[Sequence] = []
+        for seq, token_id in zip(seqs, token_ids, strict=True):
+            n = self._in_flight.pop(seq.seq_id, None)
+            if seq.is_finished:
+                continue  # aborted while its step ran
+            if n is None:
+                raise RuntimeError(f"sequence {seq.seq_id} was not scheduled in the last step")
+            seq.num_computed_tokens += n
+            self.block_manager.cache_computed_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of a longer prefill: nothing sampled yet
+            seq.append_token(token_id)
+            reason = self._stop_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.sampling_params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return FinishReason.STOP
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Finish a live sequence wherever it is and free its blocks (the engine's hook for stop strings)."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.deallocate(seq)
+        self._in_flight.pop(seq.seq_id, None)  # finished mid-step: postprocess will skip it
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._seqs.pop(seq.seq_id, None)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Cancel a request; returns it, or None when it is unknown or already finished."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None:
+            self.finish(seq, FinishReason.ABORT)
+        return seq

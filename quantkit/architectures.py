@@ -30,6 +30,8 @@ class ArchSpec:
     final_norm_path: str = "model.norm"
     lm_head_path: str = "lm_head"
     rotary_path: str = "model.rotary_emb"
+    attn_path: str = "self_attn"  # relative to a decoder layer; ends in o_proj
+    mlp_path: str = "mlp"  # ends in down_proj
     sequential_stages: tuple[tuple[str, ...], ...] = (
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         ("self_attn.o_proj",),

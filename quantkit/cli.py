@@ -145,6 +145,105 @@ def eval_(
     out.print(table)
 
 
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(help="Float model: local HF directory, hub id, or alias (smollm2-135m).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")],
+    method: Annotated[str, typer.Option(help="rtn, gptq, awq or awq+gptq.")] = "gptq",
+    bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = 4,
+    group_size: Annotated[int, typer.Option(help="Columns per scale group; -1 for per-channel.")] = 128,
+    sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (no zero point) or asymmetric.")] = True,
+    act_order: Annotated[bool, typer.Option(help="GPTQ: columns by descending Hessian diagonal.")] = False,
+    static_groups: Annotated[bool, typer.Option(help="With --act-order: groups fixed in column order.")] = False,
+    mse_clip: Annotated[bool, typer.Option(help="Search a shrunken range per group (MSE clipping).")] = False,
+    damp: Annotated[float, typer.Option(help="GPTQ damping, as a fraction of the mean Hessian diagonal.")] = 0.01,
+    block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = 128,
+    calib: Annotated[
+        Path | None, typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus).")
+    ] = None,
+    num_samples: Annotated[int, typer.Option(help="Without --calib: windows drawn from the shipped corpus.")] = 128,
+    seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = 512,
+    ignore: Annotated[
+        list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
+    ] = None,
+    plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run after its last finished block.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace an existing output directory (once the new one is done).")
+    ] = False,
+    batch_size: Annotated[int, typer.Option(help="Calibration windows per forward pass.")] = 8,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write a JSON summary.")] = None,
+) -> None:
+    """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
+    from dataclasses import asdict
+
+    from quantkit.config import QuantizeConfig
+    from quantkit.evaluate import write_json
+    from quantkit.pipeline import quantize_model
+    from quantkit.scheme import QuantScheme
+
+    scheme = QuantScheme(
+        bits=bits,
+        group_size=group_size,
+        symmetric=sym,
+        act_order=act_order,
+        static_groups=static_groups,
+        mse_clip=mse_clip,
+    )
+    config = QuantizeConfig(
+        model=model,
+        output=output,
+        method=method,
+        scheme=scheme,
+        damp=damp,
+        block_size=block_size,
+        calib=calib,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        ignore=list(ignore or []),
+        plan=plan,
+        resume=resume,
+        force=force,
+        batch_size=batch_size,
+    )
+    result = quantize_model(config)
+    table = Table(title=f"Quantized {model} -> {output}")
+    for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
+        table.add_column(column, justify="right")
+    schemes = sorted({r.scheme for r in result.records})
+    table.add_row(
+        result.method,
+        ", ".join(schemes),
+        str(len(result.records)),
+        str(sum(r.fell_back_to_rtn for r in result.records)),
+        f"{result.seconds:.1f}",
+        f"{result.peak_rss_mb:.0f}",
+        f"{result.checkpoint_bytes / 1e6:.1f}",
+    )
+    out.print(table)
+    if json_out is not None:
+        data = asdict(result)
+        data["output"] = str(result.output)
+        write_json(json_out, data)
+
+
+@app.command()
+def inspect(
+    checkpoint: Annotated[Path, typer.Argument(help="A quantized checkpoint directory.")],
+    reference: Annotated[Path | None, typer.Option(help="The original model directory, for the size ratio.")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+) -> None:
+    """Scheme per layer, bits per weight (scales and zeros counted), size against the original."""
+    from quantkit.evaluate import write_json
+    from quantkit.inspect_checkpoint import inspect_checkpoint, render_report
+    from quantkit.models import resolve_model
+
+    report = inspect_checkpoint(checkpoint, resolve_model(str(reference)) if reference else None)
+    out.print(render_report(report))
+    if json_out is not None:
+        write_json(json_out, report.to_dict())
+
+
 def main() -> None:
     """Console entry point: user errors become one red line and exit code 2, never a traceback."""
     try:

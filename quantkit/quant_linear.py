@@ -232,7 +232,7 @@ def _check_keys(expected: set[str], state: Mapping[str, torch.Tensor], tied: Map
         )
 
 
-def _materialize_meta_buffers(model: nn.Module) -> None:
+def materialize_meta_buffers(model: nn.Module) -> None:
     """Recompute buffers still on meta (non-persistent, e.g. rotary ``inv_freq``) by rebuilding on CPU."""
     for name, module in model.named_modules():
         meta = [b for b, t in module.named_buffers(recurse=False) if t is not None and t.is_meta]
@@ -281,7 +281,7 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32) -> nn.M
     for target, source in tied.items():
         parent, _, leaf = target.rpartition(".")
         setattr(model.get_submodule(parent), leaf, model.get_parameter(source))
-    _materialize_meta_buffers(model)
+    materialize_meta_buffers(model)
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if leftover:
         raise QuantkitError(f"tensors left uninitialised after loading {path}: {_listed(leftover)}")

@@ -1,0 +1,304 @@
+"""Layer-by-layer quantization: capture a block's inputs, collect statistics, solve, pack, save, move on.
+
+Only one decoder block's weights are materialised at a time (the rest of the model stays on the meta device
+and is read lazily from the safetensors shards), so models larger than RAM can be quantized. Each finished
+block is saved to ``<output>.partial/`` and ``--resume`` continues after the last one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantkit.architectures import ArchSpec
+from quantkit.assignment import SchemeAssignment, uniform_assignment
+from quantkit.block_io import BlockRunner, embed, get_module
+from quantkit.calibration import CalibrationSet, build_calibration
+from quantkit.checkpoint import ShardedWriter, linear_tensors
+from quantkit.config import CalibrationConfig, QuantizeConfig
+from quantkit.errors import QuantkitError
+from quantkit.gptq import GPTQConfig, gptq_solve
+from quantkit.grid import quantize_rtn
+from quantkit.progress import progress_bar
+from quantkit.scheme import QuantizedWeight, QuantScheme
+from quantkit.source_weights import SourceWeights, build_skeleton, config_json, load_module, release_module
+from quantkit.staged_block import StagedBlock
+from quantkit.stats import HessianStat
+from quantkit.workdir import WorkDir, partial_dir
+
+LOG_FILE = "quantkit_log.json"
+_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+@dataclass(slots=True)
+class LayerRecord:
+    name: str
+    scheme: str
+    loss: float | None  # GPTQ objective tr(dW H dW^T); None for round-to-nearest
+    damp: float | None
+    fell_back_to_rtn: bool = False
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    output: Path
+    method: str
+    seconds: float
+    peak_rss_mb: float
+    checkpoint_bytes: int
+    blocks: int
+    resumed_from: int
+    records: list[LayerRecord] = field(default_factory=list)
+
+
+def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeResult:
+    """Quantize ``config.model`` into a packed compressed-tensors checkpoint at ``config.output``."""
+    from quantkit.models import arch_for_dir, is_quantized_dir, load_tokenizer, resolve_model
+
+    config.validate()
+    start = time.perf_counter()
+    source = resolve_model(config.model)
+    arch = arch_for_dir(source)
+    if is_quantized_dir(source):
+        raise QuantkitError(f"'{config.model}' is already quantized; pass the original float model")
+    output = Path(config.output)
+    if output.exists() and not config.force:
+        raise QuantkitError(
+            f"output directory '{output}' exists; pass --force to replace it once the new one is complete"
+        )
+    tokenizer = load_tokenizer(source)
+    calibration = _calibration(config, tokenizer)
+    num_layers = int(config_json(source)["num_hidden_layers"])
+    assignment = _assignment(config, arch, num_layers)
+    with SourceWeights(source) as weights:
+        storage = weights.storage_dtype()
+        fingerprints = {
+            "model": weights.fingerprint(),
+            "calibration data": hashlib.sha256(calibration.input_ids.numpy().tobytes()).hexdigest()[:16],
+            "scheme": _scheme_fingerprint(config, assignment),
+        }
+        work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume)
+        resumed_from = work.finished
+        _run_blocks(config, arch, source, weights, calibration, assignment, storage, work, on_block_done)
+        records = [LayerRecord(**r) for r in work.records]
+        _write_checkpoint(config, arch, source, weights, assignment, work, calibration, records, storage)
+    work.remove()
+    return QuantizeResult(
+        output=output,
+        method=config.method,
+        seconds=time.perf_counter() - start,
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        checkpoint_bytes=sum(f.stat().st_size for f in output.glob("*.safetensors")),
+        blocks=num_layers,
+        resumed_from=resumed_from,
+        records=records,
+    )
+
+
+def _calibration(config: QuantizeConfig, tokenizer) -> CalibrationSet:
+    from quantkit.models import tokenizer_fingerprint
+
+    if config.calib is None:
+        built = build_calibration(
+            CalibrationConfig(
+                model=config.model,
+                num_samples=config.num_samples,
+                seq_len=config.seq_len,
+                seed=config.seed,
+                show_progress=config.show_progress,
+            )
+        )
+        return built.calibration
+    calibration = CalibrationSet.load(Path(config.calib))
+    if calibration.metadata.get("tokenizer_hash") != tokenizer_fingerprint(tokenizer):
+        raise QuantkitError(
+            f"calibration file '{config.calib}' was made with another tokenizer "
+            f"({calibration.metadata.get('tokenizer', '?')}); "
+            f"rebuild it with `quantkit calibrate --model {config.model}`"
+        )
+    if int(calibration.input_ids.max()) >= len(tokenizer):
+        raise QuantkitError(f"calibration file '{config.calib}' holds token ids outside the model's vocabulary")
+    return calibration
+
+
+def _assignment(config: QuantizeConfig, arch: ArchSpec, num_layers: int) -> SchemeAssignment:
+    if config.plan is not None:
+        from quantkit.plan_apply import assignment_from_plan
+
+        return assignment_from_plan(Path(config.plan), arch, num_layers)
+    return uniform_assignment(arch, num_layers, config.scheme, config.ignore)
+
+
+def _scheme_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
+    spec = {
+        "method": config.method,
+        "damp": config.damp,
+        "block_size": config.block_size,
+        "batch_size": config.batch_size,
+        "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _run_blocks(
+    config: QuantizeConfig,
+    arch: ArchSpec,
+    source: Path,
+    weights: SourceWeights,
+    calibration: CalibrationSet,
+    assignment: SchemeAssignment,
+    storage: torch.dtype,
+    work: WorkDir,
+    on_block_done,
+) -> None:
+    model = build_skeleton(source)
+    layers = get_module(model, arch.layers_path)
+    runner = BlockRunner.for_model(model, arch, calibration.seq_len, config.batch_size)
+    if work.finished == 0:
+        embedding = get_module(model, arch.embed_path)
+        load_module(embedding, arch.embed_path, weights, dtype=storage)
+        hidden = embed(model, arch, calibration.input_ids, storage)
+        release_module(embedding)
+    else:
+        hidden = work.load_hidden()
+    gptq = GPTQConfig(damp=config.damp, block_size=config.block_size)
+    with progress_bar(config.show_progress) as bar:
+        task = bar.add_task(f"Quantizing ({config.method})", total=len(layers), completed=work.finished)
+        for index in range(work.finished, len(layers)):
+            prefix = f"{arch.layers_path}.{index}"
+            block = layers[index]
+            load_module(block, prefix, weights)
+            schemes = assignment.for_block(prefix)
+            quantized, hidden, records = quantize_block(
+                block, prefix, arch, runner, hidden, schemes, config, gptq, storage
+            )
+            work.save_block(index, block_tensors(block, prefix, quantized, storage), hidden, records)
+            release_module(block)
+            bar.advance(task)
+            if on_block_done is not None:
+                on_block_done(index)
+
+
+def quantize_block(
+    block: nn.Module,
+    prefix: str,
+    arch: ArchSpec,
+    runner: BlockRunner,
+    hidden: torch.Tensor,
+    schemes: dict[str, QuantScheme | None],
+    config: QuantizeConfig,
+    gptq: GPTQConfig,
+    storage: torch.dtype,
+) -> tuple[dict[str, QuantizedWeight], torch.Tensor, list[dict]]:
+    """Quantize one block in place (its linears end up holding their dequantized weights).
+
+    Returns the quantized weights by relative name, the block's output on the calibration inputs (the next
+    block's input, computed with the quantized weights), and one record per quantized linear.
+    """
+    quantized: dict[str, QuantizedWeight] = {}
+    records: list[dict] = []
+    use_hessian = config.method in ("gptq", "awq+gptq")
+    if config.method in ("awq", "awq+gptq"):
+        from quantkit.awq_stage import run_awq
+
+        run_awq(block, arch, runner, hidden, schemes, storage)
+    staged = StagedBlock(block, arch, runner, hidden)
+    for stage_index, stage in enumerate(arch.sequential_stages):
+        hessian = None
+        if use_hessian:
+            in_features = get_module(block, stage[0]).in_features
+            hessian = HessianStat.zeros(in_features)
+            for x in staged.stage_inputs(stage_index):
+                hessian.update(x)
+        else:
+            for _ in staged.stage_inputs(stage_index):  # keeps the stage caches that the output needs
+                pass
+        for name in stage:
+            scheme = schemes.get(name)
+            if scheme is None:
+                continue
+            linear = get_module(block, name)
+            full = f"{prefix}.{name}"
+            if hessian is not None:
+                result = gptq_solve(linear.weight.data, hessian.hessian(), scheme, gptq, scale_dtype=storage, name=full)
+                qw, record = (
+                    result.weight,
+                    LayerRecord(full, scheme.name, result.loss, result.damp, result.fell_back_to_rtn),
+                )
+            else:
+                qw, record = (
+                    quantize_rtn(linear.weight.data, scheme, scale_dtype=storage),
+                    LayerRecord(full, scheme.name, None, None),
+                )
+            linear.weight.data = qw.dequantize(torch.float32)
+            quantized[name] = qw
+            records.append(asdict(record))
+    return quantized, staged.output(), records
+
+
+def block_tensors(
+    block: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], storage: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one block: packed quantized linears, everything else in the storage dtype."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in block.state_dict().items():
+        module_name = name.rpartition(".")[0]
+        if module_name in quantized and name.endswith(".weight"):
+            continue
+        tensors[f"{prefix}.{name}"] = tensor.to(storage) if tensor.is_floating_point() else tensor.clone()
+    for name, qw in quantized.items():
+        tensors.update(linear_tensors(f"{prefix}.{name}", qw, storage))
+    return tensors
+
+
+def _write_checkpoint(
+    config: QuantizeConfig,
+    arch: ArchSpec,
+    source: Path,
+    weights: SourceWeights,
+    assignment: SchemeAssignment,
+    work: WorkDir,
+    calibration: CalibrationSet,
+    records: list[LayerRecord],
+    storage: torch.dtype,
+) -> None:
+    from safetensors import safe_open
+
+    model_config = config_json(source)
+    model_config.pop("quantization_config", None)
+    quantization_config = assignment.quantization_config()
+    layer_prefix = arch.layers_path + "."
+    copy_files = [
+        f
+        for f in sorted(source.iterdir())
+        if f.is_file()
+        and f.name not in _NOT_COPIED
+        and not f.name.startswith(".")
+        and not f.name.endswith(_WEIGHT_SUFFIXES)
+    ]
+    with ShardedWriter(Path(config.output), max_shard_bytes=config.max_shard_bytes, overwrite=config.force) as writer:
+        for name in weights.names():
+            if not name.startswith(layer_prefix):
+                writer.add({name: weights.get(name)})
+        for index in range(work.finished):
+            with safe_open(str(work.block_file(index)), framework="pt") as f:
+                writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
+        log = {
+            "method": config.method,
+            "damp": config.damp,
+            "block_size": config.block_size,
+            "calibration": calibration.metadata,
+            "calibration_shape": list(calibration.input_ids.shape),
+            "fingerprints": work.state["fingerprints"],
+            "layers": [asdict(r) for r in records],
+        }
+        (writer.tmp_dir / LOG_FILE).write_text(json.dumps(log, indent=1, sort_keys=True) + "\n")
+        writer.finalize(model_config, copy_files, quantization_config)

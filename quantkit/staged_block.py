@@ -1,0 +1,106 @@
+"""A Llama-family decoder layer run stage by stage over all calibration samples (true sequential).
+
+Stages follow ``ArchSpec.sequential_stages``: the inputs of q/k/v, then of o_proj, then of gate/up, then of
+down_proj. Each stage's inputs are computed with every earlier stage already quantized, and the expensive
+parts are computed once: the attention context (o_proj's input) and the post-attention residual stream are
+kept between stages, so attention runs once per block instead of once per stage.
+
+Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
+``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in
+down_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from quantkit.architectures import ArchSpec
+from quantkit.block_io import BlockRunner, get_module
+
+
+class StagedBlock:
+    def __init__(self, block: nn.Module, arch: ArchSpec, runner: BlockRunner, hidden: torch.Tensor) -> None:
+        self.block = block
+        self.arch = arch
+        self.runner = runner
+        self.hidden = hidden  # [n, T, H] block input, storage dtype
+        self.norm1 = get_module(block, arch.norms[0])
+        self.norm2 = get_module(block, arch.norms[1])
+        self.attn = get_module(block, arch.attn_path)
+        self.mlp = get_module(block, arch.mlp_path)
+        self.o_proj = get_module(block, arch.sequential_stages[1][0])
+        self.down_proj = get_module(block, arch.sequential_stages[3][0])
+        self._context: torch.Tensor | None = None  # o_proj inputs
+        self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h))
+
+    def _batches(self) -> Iterator[slice]:
+        n, size = self.hidden.shape[0], self.runner.batch_size
+        for start in range(0, n, size):
+            yield slice(start, min(start + size, n))
+
+    def stage_inputs(self, stage: int) -> Iterator[torch.Tensor]:
+        """Float32 inputs [b, T, K] of the linears of ``stage``, mini-batch by mini-batch."""
+        producer: Callable[[slice], torch.Tensor] = (
+            self._qkv_input,
+            self._o_input,
+            self._gate_up_input,
+            self._down_input,
+        )[stage]
+        with torch.inference_mode():
+            for rows in self._batches():
+                yield producer(rows)
+
+    def output(self) -> torch.Tensor:
+        """The block output for every sample, with all stages as they are now (storage dtype)."""
+        assert self._residual is not None, "run the stages in order before asking for the output"
+        out = torch.empty_like(self.hidden)
+        with torch.inference_mode():
+            for rows in self._batches():
+                h2 = self._residual[rows].float()
+                out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
+        return out
+
+    def _qkv_input(self, rows: slice) -> torch.Tensor:
+        return self.norm1(self.hidden[rows].float())
+
+    def _o_input(self, rows: slice) -> torch.Tensor:
+        if self._context is None:
+            n, t, _ = self.hidden.shape
+            self._context = torch.empty(n, t, self.o_proj.in_features, dtype=self.hidden.dtype)
+        captured = _capture_input(self.o_proj, lambda: self._attention(self._qkv_input(rows)))
+        self._context[rows] = captured.to(self._context.dtype)
+        return captured
+
+    def _gate_up_input(self, rows: slice) -> torch.Tensor:
+        assert self._context is not None, "stage 1 must run before stage 2"
+        if self._residual is None:
+            self._residual = torch.empty_like(self.hidden)
+        h2 = self.hidden[rows].float() + self.o_proj(self._context[rows].float())
+        self._residual[rows] = h2.to(self._residual.dtype)
+        return self.norm2(h2)
+
+    def _down_input(self, rows: slice) -> torch.Tensor:
+        assert self._residual is not None, "stage 2 must run before stage 3"
+        x = self.norm2(self._residual[rows].float())
+        return _capture_input(self.down_proj, lambda: self.mlp(x))
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.runner.position_embeddings
+        t = x.shape[1]
+        out = self.attn(hidden_states=x, attention_mask=None, position_embeddings=(cos[:, :t], sin[:, :t]))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _capture_input(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
+    """Run ``run()`` and return the input that ``module`` received (a forward pre-hook, no exceptions)."""
+    seen: list[torch.Tensor] = []
+    handle = module.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
+    try:
+        run()
+    finally:
+        handle.remove()
+    assert len(seen) == 1, f"expected one call of {type(module).__name__}, saw {len(seen)}"
+    return seen[0]

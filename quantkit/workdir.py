@@ -1,0 +1,91 @@
+"""The resumable state of an interrupted quantization: finished blocks, the next block's input, fingerprints.
+
+Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block count, per-layer records),
+``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.safetensors`` (the
+input of the next block). Every file is written under a temporary name and renamed; ``state.json`` is
+updated last, so a crash at any point leaves a consistent state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantkit.errors import QuantkitError
+
+STATE = "state.json"
+HIDDEN = "hidden.safetensors"
+
+
+def partial_dir(output: Path) -> Path:
+    return output.with_name(f"{output.name}.partial")
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+class WorkDir:
+    def __init__(self, path: Path, state: dict) -> None:
+        self.path = path
+        self.state = state
+
+    @classmethod
+    def open(cls, path: Path, fingerprints: dict[str, str], *, resume: bool) -> WorkDir:
+        """Resume a matching interrupted run when ``resume``; otherwise start afresh."""
+        state_file = path / STATE
+        if resume and state_file.is_file():
+            state = json.loads(state_file.read_text())
+            for key, value in fingerprints.items():
+                if state["fingerprints"].get(key) != value:
+                    raise QuantkitError(
+                        f"cannot resume from {path}: the {key} differs from the interrupted run's; "
+                        "rerun without --resume to start over"
+                    )
+            return cls(path, state)
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
+        work = cls(path, {"fingerprints": fingerprints, "finished": 0, "records": []})
+        work._write_state()
+        return work
+
+    @property
+    def finished(self) -> int:
+        return int(self.state["finished"])
+
+    @property
+    def records(self) -> list[dict]:
+        return list(self.state["records"])
+
+    def block_file(self, index: int) -> Path:
+        return self.path / f"block_{index:04d}.safetensors"
+
+    def save_block(
+        self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor, records: list[dict]
+    ) -> None:
+        assert index == self.finished, f"block {index} saved out of order (expected {self.finished})"
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        _atomic(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
+        _atomic(self.path / HIDDEN, lambda p: save_file({"hidden": hidden.contiguous()}, str(p)))
+        self.state["finished"] = index + 1
+        self.state["records"].extend(records)
+        self._write_state()
+
+    def load_hidden(self) -> torch.Tensor:
+        return load_file(str(self.path / HIDDEN))["hidden"]
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+    def _write_state(self) -> None:
+        _atomic(self.path / STATE, lambda p: p.write_text(json.dumps(self.state, indent=1)))

@@ -1,0 +1,207 @@
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from cli_runner import run_cli
+
+from quantkit import pipeline
+from quantkit.architectures import arch_for_model_type
+from quantkit.block_io import BlockRunner, embed
+from quantkit.calibration import build_calibration
+from quantkit.checkpoint import read_linear
+from quantkit.config import CalibrationConfig, EvalConfig, QuantizeConfig
+from quantkit.errors import QuantkitError
+from quantkit.evaluate import evaluate
+from quantkit.gptq import GPTQConfig
+from quantkit.pipeline import block_tensors, quantize_block, quantize_model
+from quantkit.scheme import QuantScheme
+
+SCHEME = QuantScheme(bits=4, group_size=32)
+
+
+@pytest.fixture(scope="module")
+def calib_file(tiny_model_dir, tmp_path_factory) -> Path:
+    from conftest import REPO
+
+    text = tmp_path_factory.mktemp("calib") / "text.txt"
+    text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:30000])
+    out = text.with_name("calib.safetensors")
+    build_calibration(
+        CalibrationConfig(
+            model=str(tiny_model_dir), dataset=str(text), num_samples=8, seq_len=32, output=out, show_progress=False
+        )
+    )
+    return out
+
+
+def _config(model, calib, output, **kw):
+    kw.setdefault("scheme", SCHEME)
+    return QuantizeConfig(model=str(model), output=output, calib=calib, show_progress=False, batch_size=3, **kw)
+
+
+def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
+    from helpers_tiny import tiny_llama
+
+    model = tiny_llama()
+    arch = arch_for_model_type("llama")
+    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    runner = BlockRunner.for_model(model, arch, 16, batch_size=2)
+    hidden = embed(model, arch, ids, torch.bfloat16)
+    block = model.model.layers[0]
+    schemes = {name: SCHEME for name in arch.linears}
+    config = _config(tiny_model_dir, None, Path("unused"), method="gptq")
+    quantized, out, records = quantize_block(
+        block, "model.layers.0", arch, runner, hidden, schemes, config, GPTQConfig(), torch.bfloat16
+    )
+    assert out.shape == hidden.shape and len(records) == 7 and all(r["loss"] > 0 for r in records)
+    tensors = block_tensors(block, "model.layers.0", quantized, torch.bfloat16)
+    for name in arch.linears:
+        restored = read_linear(tensors, f"model.layers.0.{name}", SCHEME).dequantize()
+        assert torch.equal(restored, block.get_submodule(name).weight.data)
+    # The output the next block sees is the quantized block's output.
+    assert torch.allclose(out.float(), runner.run(block, hidden).float(), atol=0.05)
+
+
+def test_gptq_beats_rtn_and_the_checkpoint_loads(tiny_model_dir, calib_file, tmp_path):
+    results = {}
+    for method in ("rtn", "gptq"):
+        out = tmp_path / method
+        result = quantize_model(_config(tiny_model_dir, calib_file, out, method=method))
+        assert result.blocks == 2 and len(result.records) == 14
+        config = json.loads((out / "config.json").read_text())
+        assert config["quantization_config"]["format"] == "pack-quantized"
+        assert (out / "tokenizer.json").is_file() and (out / "quantkit_log.json").is_file()
+        assert not (tmp_path / f"{method}.partial").exists()
+        results[method] = evaluate(
+            EvalConfig(
+                model=str(out),
+                dataset=str(calib_file.with_name("text.txt")),
+                seq_len=32,
+                max_windows=30,
+                reference=str(tiny_model_dir),
+                show_progress=False,
+            )
+        )
+    assert results["gptq"].kl_mean < 0.5 * results["rtn"].kl_mean
+
+
+def test_resume_after_interruption_gives_identical_bytes(tiny_model_dir, calib_file, tmp_path):
+    whole = tmp_path / "whole"
+    quantize_model(_config(tiny_model_dir, calib_file, whole))
+
+    def stop_after_first(index):
+        if index == 0:
+            raise KeyboardInterrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(_config(tiny_model_dir, calib_file, resumed), on_block_done=stop_after_first)
+    assert not resumed.exists() and (tmp_path / "resumed.partial" / "block_0000.safetensors").is_file()
+    with pytest.raises(QuantkitError, match=r"cannot resume.*scheme differs"):
+        quantize_model(_config(tiny_model_dir, calib_file, resumed, scheme=QuantScheme(8, -1), resume=True))
+    result = quantize_model(_config(tiny_model_dir, calib_file, resumed, resume=True))
+    assert result.resumed_from == 1
+    for name in ("model.safetensors", "config.json", "quantkit_log.json"):
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_existing_output_is_protected(tiny_model_dir, calib_file, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    with pytest.raises(QuantkitError, match="exists; pass --force"):
+        quantize_model(_config(tiny_model_dir, calib_file, out))
+    assert (out / "keep.txt").read_text() == "precious"
+    quantize_model(_config(tiny_model_dir, calib_file, out, force=True))
+    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
+
+
+def test_calibration_from_another_tokenizer_is_refused(tmp_path, calib_file):
+    from conftest import build_word_tokenizer
+    from helpers_tiny import tiny_llama
+
+    other = tmp_path / "other"
+    tiny_llama().save_pretrained(other)
+    build_word_tokenizer(vocab_size=100).save_pretrained(other)
+    with pytest.raises(QuantkitError, match="made with another tokenizer"):
+        quantize_model(_config(other, calib_file, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_only_one_block_is_in_memory_at_a_time(tiny_model_dir, calib_file, tmp_path, monkeypatch):
+    live: set[int] = set()
+    peak = [0]
+    real_load, real_release = pipeline.load_module, pipeline.release_module
+
+    def load(module, prefix, weights, dtype=torch.float32):
+        real_load(module, prefix, weights, dtype)
+        live.add(id(module))
+        peak[0] = max(peak[0], len(live))
+
+    def release(module):
+        real_release(module)
+        live.discard(id(module))
+        assert all(p.is_meta for p in module.parameters())
+
+    monkeypatch.setattr(pipeline, "load_module", load)
+    monkeypatch.setattr(pipeline, "release_module", release)
+    quantize_model(_config(tiny_model_dir, calib_file, tmp_path / "out", method="rtn"))
+    assert peak[0] == 1 and not live
+
+
+def test_ignored_linears_stay_float(tiny_model_dir, calib_file, tmp_path):
+    out = tmp_path / "out"
+    quantize_model(_config(tiny_model_dir, calib_file, out, method="rtn", ignore=[r"layers\.1\.mlp\."]))
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert "model.layers.1.mlp.down_proj" in config["ignore"] and "lm_head" in config["ignore"]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    assert "model.layers.1.mlp.down_proj.weight" in keys and "model.layers.0.mlp.down_proj.weight_packed" in keys
+    with pytest.raises(QuantkitError, match="must share one scheme"):
+        quantize_model(_config(tiny_model_dir, calib_file, tmp_path / "x", ignore=["q_proj"]))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "magic"], "unknown method 'magic'"),
+        (["--bits", "5"], "bits=5 is not supported"),
+        (["--group-size", "0"], "group size 0 is invalid"),
+        (["--ignore", "("], "not a valid regular expression"),
+    ],
+)
+def test_quantize_cli_rejects_bad_input(tiny_model_dir, calib_file, tmp_path, capsys, args, message):
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), *args], capsys)
+    assert code == 2 and message in " ".join(err.split())
+    assert not out.exists()
+
+
+def test_quantize_and_inspect_cli(tiny_model_dir, calib_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        [
+            "quantize",
+            str(tiny_model_dir),
+            "-o",
+            str(out),
+            "--calib",
+            str(calib_file),
+            "--method",
+            "rtn",
+            "--bits",
+            "8",
+            "--group-size",
+            "-1",
+        ],
+        capsys,
+    )
+    assert code == 0, err
+    report = tmp_path / "inspect.json"
+    code, _, err = run_cli(["inspect", str(out), "--json", str(report)], capsys)
+    assert code == 0, err
+    data = json.loads(report.read_text())
+    assert 8.0 < data["avg_bits_per_weight"] < 8.5

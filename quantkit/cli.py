@@ -152,7 +152,10 @@ def quantize(
     method: Annotated[str, typer.Option(help="rtn, gptq, awq or awq+gptq.")] = "gptq",
     bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = 4,
     group_size: Annotated[int, typer.Option(help="Columns per scale group; -1 for per-channel.")] = 128,
-    sym: Annotated[bool, typer.Option("--sym/--asym", help="Symmetric (no zero point) or asymmetric.")] = True,
+    sym: Annotated[
+        bool | None,
+        typer.Option("--sym/--asym", help="Symmetric or asymmetric (default: sym; asym for AWQ, as in AutoAWQ)."),
+    ] = None,
     act_order: Annotated[bool, typer.Option(help="GPTQ: columns by descending Hessian diagonal.")] = False,
     static_groups: Annotated[bool, typer.Option(help="With --act-order: groups fixed in column order.")] = False,
     mse_clip: Annotated[bool, typer.Option(help="Search a shrunken range per group (MSE clipping).")] = False,
@@ -172,6 +175,7 @@ def quantize(
         bool, typer.Option(help="Replace an existing output directory (once the new one is done).")
     ] = False,
     batch_size: Annotated[int, typer.Option(help="Calibration windows per forward pass.")] = 8,
+    max_shard_size: Annotated[int, typer.Option(help="Largest checkpoint shard, in MB (held in memory).")] = 1024,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write a JSON summary.")] = None,
 ) -> None:
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
@@ -205,6 +209,7 @@ def quantize(
         resume=resume,
         force=force,
         batch_size=batch_size,
+        max_shard_bytes=max_shard_size * 1_000_000,
     )
     result = quantize_model(config)
     table = Table(title=f"Quantized {model} -> {output}")

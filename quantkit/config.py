@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from quantkit.awq import AWQConfig
 from quantkit.errors import QuantkitError
 from quantkit.scheme import QuantScheme
 
@@ -85,6 +86,7 @@ class QuantizeConfig:
     force: bool = False
     batch_size: int = 8
     max_shard_bytes: int = 1 << 30
+    awq: AWQConfig = field(default_factory=lambda: AWQConfig(search_samples=8, objective="linear"))
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -96,6 +98,8 @@ class QuantizeConfig:
             raise QuantkitError(f"--block-size must be positive, got {self.block_size}")
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be positive, got {self.batch_size}")
+        if self.max_shard_bytes < 1_000_000:
+            raise QuantkitError(f"--max-shard-size must be at least 1 MB, got {self.max_shard_bytes} bytes")
         for pattern in self.ignore:
             try:
                 re.compile(pattern)

@@ -19,6 +19,7 @@ from torch import nn
 
 from quantkit.architectures import ArchSpec
 from quantkit.assignment import SchemeAssignment, uniform_assignment
+from quantkit.awq import AWQBlockReport, apply_awq_to_block
 from quantkit.block_io import BlockRunner, embed, get_module
 from quantkit.calibration import CalibrationSet, build_calibration
 from quantkit.checkpoint import ShardedWriter, linear_tensors
@@ -88,7 +89,7 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
         work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume)
         resumed_from = work.finished
         _run_blocks(config, arch, source, weights, calibration, assignment, storage, work, on_block_done)
-        records = [LayerRecord(**r) for r in work.records]
+        records = [LayerRecord(**r) for r in work.records if "kind" not in r]
         _write_checkpoint(config, arch, source, weights, assignment, work, calibration, records, storage)
     work.remove()
     return QuantizeResult(
@@ -140,6 +141,7 @@ def _assignment(config: QuantizeConfig, arch: ArchSpec, num_layers: int) -> Sche
 def _scheme_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
     spec = {
         "method": config.method,
+        "awq": asdict(config.awq) if config.method.startswith("awq") else None,
         "damp": config.damp,
         "block_size": config.block_size,
         "batch_size": config.batch_size,
@@ -207,9 +209,8 @@ def quantize_block(
     records: list[dict] = []
     use_hessian = config.method in ("gptq", "awq+gptq")
     if config.method in ("awq", "awq+gptq"):
-        from quantkit.awq_stage import run_awq
-
-        run_awq(block, arch, runner, hidden, schemes, storage)
+        report = apply_awq_to_block(block, arch, hidden, runner, schemes, config.awq, scale_dtype=storage)
+        records.extend(_awq_records(prefix, report))
     staged = StagedBlock(block, arch, runner, hidden)
     for stage_index, stage in enumerate(arch.sequential_stages):
         hessian = None
@@ -242,6 +243,22 @@ def quantize_block(
             quantized[name] = qw
             records.append(asdict(record))
     return quantized, staged.output(), records
+
+
+def _awq_records(prefix: str, report: AWQBlockReport) -> list[dict]:
+    """AWQ's choices, logged beside the solver records (kind "awq-scale" / "awq-clip")."""
+    out = [
+        {
+            "name": f"{prefix}.{g.prev}",
+            "kind": "awq-scale",
+            "ratio": g.ratio,
+            "rtn_error": g.rtn_error,
+            "awq_error": g.awq_error,
+        }
+        for g in report.groups
+    ]
+    out += [{"name": f"{prefix}.{c.linear}", "kind": "awq-clip", "mean_shrink": c.mean_shrink} for c in report.clips]
+    return out
 
 
 def block_tensors(
@@ -298,7 +315,7 @@ def _write_checkpoint(
             "calibration": calibration.metadata,
             "calibration_shape": list(calibration.input_ids.shape),
             "fingerprints": work.state["fingerprints"],
-            "layers": [asdict(r) for r in records],
+            "layers": work.records,
         }
         (writer.tmp_dir / LOG_FILE).write_text(json.dumps(log, indent=1, sort_keys=True) + "\n")
         writer.finalize(model_config, copy_files, quantization_config)

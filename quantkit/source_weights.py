@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -19,23 +18,25 @@ from quantkit.quant_linear import materialize_meta_buffers, shard_files
 
 
 class SourceWeights:
-    """Tensor name -> shard, read on demand (in the stored dtype)."""
+    """Tensor name -> shard, read on demand (in the stored dtype).
+
+    A shard is opened (memory-mapped) only while tensors are read from it: mapped pages count as resident
+    memory, so keeping every shard open would make a pass over the model hold all of it.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.files = shard_files(path)
-        self._stack = ExitStack()
-        self._handles = [self._stack.enter_context(safe_open(str(f), framework="pt")) for f in self.files]
-        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118 (safe_open API)
-
-    def close(self) -> None:
-        self._stack.close()
+        self._where: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update(dict.fromkeys(handle.keys(), f))
 
     def __enter__(self) -> SourceWeights:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        return None
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -44,9 +45,22 @@ class SourceWeights:
         return name in self._where
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self._where:
-            raise QuantkitError(f"tensor '{name}' is missing from the checkpoint at {self.path}")
-        return self._where[name].get_tensor(name)
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors, opening each shard involved once."""
+        missing = [n for n in names if n not in self._where]
+        if missing:
+            raise QuantkitError(f"tensor '{missing[0]}' is missing from the checkpoint at {self.path}")
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._where[name], []).append(name)
+        out = {}
+        for f, wanted in by_file.items():
+            with safe_open(str(f), framework="pt") as handle:
+                for name in wanted:
+                    out[name] = handle.get_tensor(name).clone()  # own the memory: the mapping closes now
+        return out
 
     def storage_dtype(self) -> torch.dtype:
         """The dtype of the model's float weights (the checkpoint keeps it for unquantized tensors)."""
@@ -82,8 +96,10 @@ def build_skeleton(path: Path) -> nn.Module:
 def load_module(module: nn.Module, prefix: str, weights: SourceWeights, dtype: torch.dtype = torch.float32) -> None:
     """Load ``module``'s parameters and persistent buffers from the shards (cast to ``dtype``)."""
     state = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        stored = weights.get(f"{prefix}.{name}")
+    expected = module.state_dict(keep_vars=True)
+    stored_all = weights.get_many([f"{prefix}.{name}" for name in expected])
+    for name, tensor in expected.items():
+        stored = stored_all[f"{prefix}.{name}"]
         state[name] = stored.to(dtype) if stored.is_floating_point() else stored
         if tuple(stored.shape) != tuple(tensor.shape):
             raise QuantkitError(

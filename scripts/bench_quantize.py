@@ -1,0 +1,148 @@
+"""Benchmark quantization methods and schemes on SmolLM2: time, peak RSS, size, perplexity and KL.
+
+Each configuration is quantized in its own process (`quantkit quantize --json`), so its peak RSS is its own,
+then evaluated on the held-out text against the original model in this process. Prints one table, with the
+original model's perplexity as the baseline row and each RTN row's gap closed by the matching GPTQ/AWQ row.
+
+    python scripts/bench_quantize.py                     # the full matrix (long on 2 CPU cores)
+    python scripts/bench_quantize.py --only w4-g64-sym --methods rtn,gptq --eval-windows 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from quantkit.config import EvalConfig
+from quantkit.evaluate import evaluate
+
+
+@dataclass(frozen=True)
+class Case:
+    method: str
+    bits: int
+    group: int
+    sym: bool
+    act_order: bool = False
+
+    @property
+    def scheme(self) -> str:
+        group = "ch" if self.group == -1 else f"g{self.group}"
+        return f"w{self.bits}-{group}-{'sym' if self.sym else 'asym'}" + ("-actorder" if self.act_order else "")
+
+    def args(self) -> list[str]:
+        out = ["--method", self.method, "--bits", str(self.bits), "--group-size", str(self.group)]
+        out.append("--sym" if self.sym else "--asym")
+        if self.act_order:
+            out += ["--act-order", "--static-groups"]
+        return out
+
+
+def matrix(methods: list[str]) -> list[Case]:
+    cases = []
+    for group in (32, 64, 128):
+        for sym in (True, False):
+            cases += [Case(m, 4, group, sym) for m in methods]
+            if "gptq" in methods:
+                cases.append(Case("gptq", 4, group, sym, act_order=True))
+    cases += [Case(m, 8, -1, True) for m in methods]
+    return cases
+
+
+def quantize(case: Case, model: str, out: Path, samples: int, seq_len: int) -> dict:
+    summary = out.with_suffix(".json")
+    cmd = [sys.executable, "-m", "quantkit", "quantize", model, "-o", str(out), "--force", "--json", str(summary)]
+    cmd += ["--num-samples", str(samples), "--seq-len", str(seq_len), *case.args()]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    return json.loads(summary.read_text())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--methods", default="rtn,gptq", help="comma list of rtn, gptq, awq, awq+gptq")
+    parser.add_argument("--only", default=None, help="comma list of scheme names, e.g. w4-g64-sym,w8-ch-sym")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    cases = matrix(methods)
+    if args.only:
+        wanted = set(args.only.split(","))
+        cases = [c for c in cases if c.scheme in wanted]
+    console = Console()
+    base = evaluate(EvalConfig(model=args.model, max_windows=args.eval_windows, show_progress=False))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in cases:
+            console.print(f"[bold]{case.method} {case.scheme}[/]")
+            out = Path(tmp) / f"{case.method}-{case.scheme}"
+            q = quantize(case, args.model, out, args.samples, args.seq_len)
+            e = evaluate(
+                EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
+            )
+            rows.append(
+                {
+                    "method": case.method,
+                    "scheme": case.scheme,
+                    "seconds": q["seconds"],
+                    "peak_rss_mb": q["peak_rss_mb"],
+                    "size_mb": q["checkpoint_bytes"] / 1e6,
+                    "perplexity": e.perplexity,
+                    "kl_mean": e.kl_mean,
+                    "top1": e.top1_agreement,
+                }
+            )
+    rtn = {r["scheme"].removesuffix("-actorder"): r["perplexity"] for r in rows if r["method"] == "rtn"}
+    table = Table(
+        title=f"Quantization on {args.model}: {args.samples} x {args.seq_len} calibration windows, "
+        f"{base.tokens} held-out tokens (baseline perplexity {base.perplexity:.3f})"
+    )
+    for col in (
+        "method",
+        "scheme",
+        "time s",
+        "peak RSS MB",
+        "size MB",
+        "ppl",
+        "ppl +%",
+        "KL mean",
+        "top-1",
+        "RTN gap closed",
+    ):
+        table.add_column(col, justify="right")
+    table.add_row("original", "bf16", "-", "-", "-", f"{base.perplexity:.3f}", "0", "0", "1", "-")
+    for r in rows:
+        gap = rtn.get(r["scheme"].removesuffix("-actorder"))
+        closed = "-"
+        if r["method"] != "rtn" and gap is not None and gap > base.perplexity:
+            closed = f"{(gap - r['perplexity']) / (gap - base.perplexity):.0%}"
+        table.add_row(
+            r["method"],
+            r["scheme"],
+            f"{r['seconds']:.0f}",
+            f"{r['peak_rss_mb']:.0f}",
+            f"{r['size_mb']:.1f}",
+            f"{r['perplexity']:.3f}",
+            f"{100 * (r['perplexity'] / base.perplexity - 1):.2f}",
+            f"{r['kl_mean']:.4f}",
+            f"{r['top1']:.3f}",
+            closed,
+        )
+    console.print(table)
+    if args.json:
+        args.json.write_text(json.dumps({"baseline_perplexity": base.perplexity, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -105,28 +105,33 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
 
 
 def _calibration(config: QuantizeConfig, tokenizer) -> CalibrationSet:
+    return calibration_for_model(
+        config.model, config.calib, tokenizer, config.num_samples, config.seq_len, config.seed, config.show_progress
+    )
+
+
+def calibration_for_model(
+    model: str, calib: Path | None, tokenizer, num_samples: int, seq_len: int, seed: int, show_progress: bool
+) -> CalibrationSet:
+    """The calibration file (checked against the model's tokenizer), or windows from the shipped corpus."""
     from quantkit.models import tokenizer_fingerprint
 
-    if config.calib is None:
+    if calib is None:
         built = build_calibration(
             CalibrationConfig(
-                model=config.model,
-                num_samples=config.num_samples,
-                seq_len=config.seq_len,
-                seed=config.seed,
-                show_progress=config.show_progress,
+                model=model, num_samples=num_samples, seq_len=seq_len, seed=seed, show_progress=show_progress
             )
         )
         return built.calibration
-    calibration = CalibrationSet.load(Path(config.calib))
+    calibration = CalibrationSet.load(Path(calib))
     if calibration.metadata.get("tokenizer_hash") != tokenizer_fingerprint(tokenizer):
         raise QuantkitError(
-            f"calibration file '{config.calib}' was made with another tokenizer "
+            f"calibration file '{calib}' was made with another tokenizer "
             f"({calibration.metadata.get('tokenizer', '?')}); "
-            f"rebuild it with `quantkit calibrate --model {config.model}`"
+            f"rebuild it with `quantkit calibrate --model {model}`"
         )
     if int(calibration.input_ids.max()) >= len(tokenizer):
-        raise QuantkitError(f"calibration file '{config.calib}' holds token ids outside the model's vocabulary")
+        raise QuantkitError(f"calibration file '{calib}' holds token ids outside the model's vocabulary")
     return calibration
 
 

@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from conftest import build_word_tokenizer
+from safetensors.torch import save_file
 
 CONFIG = {
     "architectures": ["LlamaForCausalLM"],

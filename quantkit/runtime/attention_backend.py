@@ -1,0 +1,162 @@
+"""Attention over the paged KV cache: a torch backend (any device) and a Triton backend (CUDA).
+
+Both write the step's new K/V rows into the cache first (``slot_mapping``), then:
+
+* prefill: per sequence, causal attention of its ``n`` new queries over its whole context ``[0, ctx)``. With no
+  cached prefix the fresh K/V are used directly; after a prefix-cache hit or an earlier chunk, the context is
+  gathered from the sequence's pages (the new rows included, as they were just written).
+* decode: one query per sequence over its pages, batched.
+
+The torch backend runs ``scaled_dot_product_attention`` (decode packs the query heads of a kv group as rows,
+so grouped-query attention needs no K/V repeat). The Triton backend uses the ``kv_cache_write`` and
+``paged_attention`` kernels and the torch prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.kernels.backend import triton_available
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step layout of the flattened tokens (built once per step by the model runner)."""
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token
+    block_tables: torch.Tensor  # int32 [B, max_blocks] (padded with 0), trimmed to the longest context
+    context_lens: torch.Tensor  # int32 [B]: tokens in the cache once this step's rows are written
+    query_lens: list[int]  # new tokens per sequence (all 1 when decoding)
+    context_lens_list: list[int]  # context_lens as Python ints (prefill loops over sequences)
+    decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_blocks * block_size]: key t < context_len
+
+
+class AttentionBackend:
+    name = "base"
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        heads, dim = k_cache.shape[2], k_cache.shape[3]
+        k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        self.write_kv(k, v, k_cache, v_cache, meta)
+        if meta.is_prefill:
+            return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return self.decode(q, k_cache, v_cache, meta, scale)
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence's pages: ``[length, Hkv, D]``."""
+    pages = table[: -(-length // cache.shape[1])]
+    return cache.index_select(0, pages).flatten(0, 1)[:length]
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    out = torch.empty_like(q)
+    start = 0
+    for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
+        qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
+        if ctx == n:  # nothing cached before this chunk: attend to the fresh rows
+            ki, vi, mask = k[start : start + n], v[start : start + n], None
+        else:  # a cached prefix or an earlier chunk: read the whole context back from the pages
+            ki, vi = _gather(k_cache, meta.block_tables[i], ctx), _gather(v_cache, meta.block_tables[i], ctx)
+            ki, vi = ki.to(q.dtype), vi.to(q.dtype)
+            q_pos = torch.arange(ctx - n, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # bottom-right causal
+        oi = F.scaled_dot_product_attention(
+            qi,
+            ki.transpose(0, 1),
+            vi.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start : start + n] = oi.transpose(0, 1)
+        start += n
+    return out
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        bsz, hq, dim = q.shape
+        hkv = k_cache.shape[2]
+        pages = meta.block_tables.flatten()  # index_select is much faster than advanced indexing on CPU
+        k = k_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)  # [B, Hkv, L, D]
+        v = v_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
+        mask = meta.decode_mask
+        if mask is None:
+            mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
+            mask = mask[:, None, None, :]
+        qg = q.reshape(bsz, hkv, hq // hkv, dim)  # the query heads of a kv group act as rows
+        out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+        return out.reshape(bsz, hq, dim)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        from quantkit.runtime.kernels.kv_cache_write import kv_cache_write
+
+        kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+
+    def decode(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        from quantkit.runtime.kernels.paged_attention import paged_attention
+
+        return paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+
+
+def select_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto``: Triton on CUDA when it imports, else torch; ``triton`` fails clearly where it cannot run."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if name == "triton":
+        if not triton_available():
+            raise QuantkitError(
+                "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 set before triton is "
+                "imported, for testing); use backend='torch' or 'auto'"
+            )
+        return TritonAttentionBackend()
+    raise QuantkitError(f"backend={name!r} is invalid; use 'auto', 'torch' or 'triton'")

@@ -1,0 +1,268 @@
+"""The serving engine: requests in, one continuous-batching step at a time, outputs out.
+
+``step()`` is: schedule -> run the model -> sample (only sequences whose prefill is complete) -> postprocess ->
+detokenize and apply stop strings. A request that could never run (prompt longer than ``max_model_len``, more
+KV blocks than the cache holds, invalid sampling parameters, token ids outside the vocabulary) is refused by
+``add_request`` with a ``QuantkitError`` before it touches the scheduler or the cache; other requests are
+unaffected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.models import resolve_model
+from quantkit.quant_linear import read_checkpoint_config
+from quantkit.runtime.attention_backend import select_backend
+from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.model import ModelConfig, load_model, read_generation_eos
+from quantkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
+from quantkit.runtime.sampler import Sampler
+from quantkit.runtime.sampling_params import SamplingParams
+from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
+from quantkit.runtime.sequence import FinishReason, Sequence
+
+_log = logging.getLogger(__name__)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after a step (``finished`` once it is done); ``token_ids`` are the completion's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # why the request failed or was refused (finish_reason ERROR)
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    arrival_time: float = 0.0  # time.perf_counter() stamps
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    request_id: str
+    seq: Sequence
+    prompt: str | None
+    generator: torch.Generator | None  # per-request seed; kept across preemption
+    arrival_time: float
+    first_token_time: float | None = None
+    text: str = ""
+    stop_checked: int = 0  # text length already searched for stop strings
+    finish_time: float | None = None
+    error: str | None = None
+
+
+class Engine:
+    def __init__(self, model: str | Path, config: EngineConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and kwargs:
+            raise QuantkitError("pass an EngineConfig or keyword options, not both")
+        self.config = cfg = config or EngineConfig(**kwargs)
+        self.path = resolve_model(model)
+        device, dtype = _device_and_dtype(cfg)
+        backend = select_backend(cfg.backend, device)
+        model_cfg = ModelConfig.from_hf(read_checkpoint_config(self.path))
+        self.max_model_len = cfg.resolved_max_model_len(model_cfg.max_position_embeddings)
+        if model_cfg.sliding_window is not None and self.max_model_len > model_cfg.sliding_window:
+            raise QuantkitError(
+                f"the model uses sliding-window attention ({model_cfg.sliding_window} tokens), which the runtime "
+                f"does not implement; set max_model_len <= {model_cfg.sliding_window}"
+            )
+        self.model = load_model(
+            self.path,
+            dtype=dtype,
+            device=device,
+            use_kernels=backend.name == "triton" and device.type == "cuda",
+            max_positions=self.max_model_len,
+        )
+        num_blocks = cfg.num_blocks(kv_bytes_per_block(self.model, cfg.block_size, dtype))
+        self.runner = ModelRunner(self.model, backend, num_blocks, cfg.block_size, dtype)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        sched_cfg = SchedulerConfig(
+            cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.enable_chunked_prefill
+        )
+        self.scheduler = Scheduler(sched_cfg, self.block_manager, read_generation_eos(self.path))
+        self.sampler = Sampler(torch.Generator(device).manual_seed(cfg.seed))
+        self.tokenizer = _try_tokenizer(self.path)
+        self.device = device
+        self._requests: dict[int, _Request] = {}  # by seq_id
+        self._by_id: dict[str, _Request] = {}
+        self._ids = itertools.count()
+        self._idle_steps = 0
+        self.num_preemptions = 0  # sequences sent back to waiting so far (metrics)
+        self.stream_text = False  # decode text every step (streaming); else only at the end or for stop strings
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; returns its id. Raises ``QuantkitError`` (and queues nothing) for a bad request."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self._by_id:
+            raise QuantkitError(f"request id {request_id!r} is already in use")
+        params = dataclasses.replace(params) if params is not None else SamplingParams()  # own copy, re-validated
+        if params.stop and self.tokenizer is None:
+            raise QuantkitError(f"stop strings need a tokenizer and {self.path} has none; use stop_token_ids")
+        seq = Sequence(self.encode(prompt), params)
+        self.scheduler.add(seq)  # raises for a prompt too long or a request that can never fit
+        gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
+        text_prompt = prompt if isinstance(prompt, str) else None
+        req = _Request(request_id, seq, text_prompt, gen, time.perf_counter())
+        self._requests[seq.seq_id] = self._by_id[request_id] = req
+        return request_id
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise QuantkitError(f"{self.path} has no tokenizer; pass the prompt as a list of token ids")
+            return list(self.tokenizer(prompt).input_ids)
+        ids = list(prompt)
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise QuantkitError(f"prompt token ids {bad[:5]} are not integers in [0, {vocab}) (the vocabulary)")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request; False when it is unknown or already finished."""
+        req = self._by_id.pop(request_id, None)
+        if req is None:
+            return False
+        self._requests.pop(req.seq.seq_id, None)
+        self.scheduler.abort(req.seq.seq_id)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that got a token (or finished) in it."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            self._check_progress()
+            return []
+        self._idle_steps = 0
+        self.num_preemptions += len(out.preempted)
+        try:
+            logits = self.runner.run(out)
+            tokens = self._sample(out.seqs, out.num_tokens, logits)
+        except Exception as exc:  # a failed batch fails its own requests, not the engine
+            return self._fail(out.seqs, exc)
+        self.scheduler.postprocess(out.seqs, tokens)
+        return self._outputs(out.seqs, tokens)
+
+    def _check_progress(self) -> None:
+        self._idle_steps += 1  # an empty step is normal right after every running sequence was preempted
+        if self._idle_steps > 2 and self.has_unfinished():
+            raise RuntimeError("the scheduler made no progress for 3 steps with requests waiting (a bug)")
+
+    def _sample(self, seqs: list[Sequence], num_tokens: list[int], logits: torch.Tensor) -> list[int]:
+        """Sample only sequences whose prefill is complete: a partial chunk must not draw from a generator."""
+        rows = [i for i, (s, n) in enumerate(zip(seqs, num_tokens, strict=True)) if s.num_computed_tokens + n == len(s)]
+        tokens = [-1] * len(seqs)
+        if rows:
+            sub = logits if len(rows) == len(seqs) else logits[rows]
+            sampled = self.sampler(
+                sub, [seqs[i].sampling_params for i in rows], [self._requests[seqs[i].seq_id].generator for i in rows]
+            )
+            for i, t in zip(rows, sampled, strict=True):
+                tokens[i] = t
+        return tokens
+
+    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
+        _log.exception("a batch of %d requests failed; finishing them with an error", len(seqs))
+        outputs = []
+        for seq in seqs:
+            self.scheduler.finish(seq, FinishReason.ERROR)  # frees its blocks and clears the in-flight step
+            req = self._requests.pop(seq.seq_id)
+            del self._by_id[req.request_id]
+            req.error, req.finish_time = f"{type(exc).__name__}: {exc}", time.perf_counter()
+            outputs.append(self._output(req))
+        return outputs
+
+    def _outputs(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for seq, token in zip(seqs, tokens, strict=True):
+            req = self._requests.get(seq.seq_id)
+            if req is None or token < 0:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._detokenize(req)
+            if seq.is_finished:
+                req.finish_time = now
+                del self._requests[seq.seq_id]
+                del self._by_id[req.request_id]
+            outputs.append(self._output(req))
+        return outputs
+
+    def _detokenize(self, req: _Request) -> None:
+        seq = req.seq
+        if self.tokenizer is None:
+            return
+        stops = seq.sampling_params.stop
+        if not stops and not seq.is_finished and not self.stream_text:
+            return
+        req.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
+        if not stops:
+            return
+        start = max(0, req.stop_checked - max(len(s) for s in stops) + 1)
+        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
+        req.stop_checked = len(req.text)
+        if hits:
+            req.text = req.text[: min(hits)]  # the stop string itself is not part of the output
+            if seq.is_finished:
+                seq.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(seq, FinishReason.STOP)
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            token_ids=seq.completion_token_ids,
+            text=req.text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            error=req.error,
+            num_cached_tokens=seq.num_cached_tokens,
+            arrival_time=req.arrival_time,
+            first_token_time=req.first_token_time,
+            finish_time=req.finish_time,
+        )
+
+
+def _device_and_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """``auto``: CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU (fp32 matmuls are fastest there)."""
+    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto_device if cfg.device == "auto" else cfg.device)
+    dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return device, dtype
+
+
+def _try_tokenizer(path: Path) -> Any:
+    from quantkit.models import load_tokenizer
+
+    try:
+        return load_tokenizer(path)
+    except QuantkitError:
+        return None

@@ -1,0 +1,311 @@
+"""Building blocks of the runtime's decoder: RMSNorm, rotary embedding, dense/quantized Linear, MLP, attention.
+
+Tokens are flattened across sequences: activations are ``[T, hidden]`` with one row per scheduled token, and
+attention splits them back per sequence through :class:`~quantkit.runtime.attention_backend.AttentionMetadata`.
+Modules are built on the meta device, filled by ``load_state_dict(assign=True)`` with checkpoint tensors, then
+``prepare``-d once for the chosen backend (dequantize or keep packed; fuse q/k/v and gate/up when dense).
+Rounding points follow Hugging Face's eager Llama so that fp32 greedy decoding matches ``generate``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantkit.checkpoint import G_IDX, PACKED, SCALE, SHAPE, ZERO, read_linear, records_g_idx
+from quantkit.errors import QuantkitError
+from quantkit.pack import packed_words
+from quantkit.scheme import QuantScheme
+
+if TYPE_CHECKING:
+    from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
+
+# ----------------------------------------------------------------------------------------------- RMSNorm
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / rms(x)``, optionally fused with the residual add that precedes it."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+        self.use_kernel = False  # Triton fused kernel (set by prepare on CUDA)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """``norm(x)``; with ``residual``: ``(norm(x + residual), x + residual)``."""
+        if self.use_kernel:
+            from quantkit.runtime.kernels.rmsnorm import rmsnorm
+
+            out, res = rmsnorm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, res)
+        if residual is not None:
+            x = residual + x
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+# ----------------------------------------------------------------------------------------------- rotary
+
+
+@dataclass(slots=True, frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    rope_type: str = "default"  # "default", "linear" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_position_embeddings: int = 8192  # llama3
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> RopeConfig:
+        """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older configs)."""
+        params = dict(cfg.get("rope_scaling") or {})
+        params.update(cfg.get("rope_parameters") or {})
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise QuantkitError(f"rope type {rope_type!r} is not supported by the runtime (default, linear, llama3)")
+        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise QuantkitError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        if rope_type == "default":
+            return cls(theta=theta)
+        return cls(
+            theta=theta,
+            rope_type=rope_type,
+            factor=float(params["factor"]),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+            ),
+        )
+
+    def inv_freq(self, head_dim: int) -> torch.Tensor:
+        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if self.rope_type == "linear":
+            return inv / self.factor
+        if self.rope_type == "llama3":
+            low_wavelen = self.original_max_position_embeddings / self.low_freq_factor
+            high_wavelen = self.original_max_position_embeddings / self.high_freq_factor
+            wavelen = 2 * math.pi / inv
+            scaled = torch.where(wavelen > low_wavelen, inv / self.factor, inv)
+            smooth = (self.original_max_position_embeddings / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+            return torch.where(medium, smoothed, scaled)
+        return inv
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding from a precomputed fp32 cos/sin table (built by ``build``, not loaded)."""
+
+    def __init__(self, head_dim: int, rope: RopeConfig) -> None:
+        super().__init__()
+        self.head_dim, self.rope = head_dim, rope
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def build(self, max_positions: int, device: torch.device | str) -> None:
+        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * self.rope.inv_freq(self.head_dim)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D], as HF computes it
+        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[T, 1, D]`` at ``positions [T]`` (looked up once per step, shared by all layers)."""
+        assert self.cos is not None and self.sin is not None, "call build() before running the model"
+        cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
+        return cos, self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate ``x [T, H, D]`` by the ``(cos, sin)`` of its positions (as HF ``apply_rotary_pos_emb``)."""
+    cos, sin = rope
+    return x * cos + _rotate_half(x) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------- Linear
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b`` with W dense or held as compressed-tensors ``pack-quantized`` buffers.
+
+    A quantized layer (``quantize(scheme)`` on the meta device, before loading) is ``prepare``-d either by
+    dequantizing once into the compute dtype (torch backend; fastest on CPU) or by keeping the packed tensors
+    for the Triton ``quant_matmul`` kernel (4/8 bits on CUDA).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.scheme: QuantScheme | None = None
+        self.use_kernel = False
+
+    def quantize(self, scheme: QuantScheme, scale_dtype: torch.dtype = torch.bfloat16) -> None:
+        """Swap the dense weight for empty checkpoint buffers of ``scheme`` (names as in the checkpoint)."""
+        n, k, bits, groups = self.out_features, self.in_features, scheme.bits, scheme.num_groups(self.in_features)
+        device = self.weight.device if self.weight is not None else None
+        self.weight = None
+        self.scheme = scheme
+        self.register_buffer(PACKED, torch.empty(n, packed_words(k, bits), dtype=torch.int32, device=device))
+        self.register_buffer(SCALE, torch.empty(n, groups, dtype=scale_dtype, device=device))
+        if not scheme.symmetric:
+            self.register_buffer(ZERO, torch.empty(packed_words(n, bits), groups, dtype=torch.int32, device=device))
+        self.register_buffer(SHAPE, torch.empty(2, dtype=torch.int64, device=device))
+        if records_g_idx(scheme):
+            self.register_buffer(G_IDX, torch.empty(k, dtype=torch.int32, device=device))
+
+    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``(q - zero) * scale`` computed in fp32 (as the reference QuantLinear does), then cast."""
+        assert self.scheme is not None
+        buffers = {name: t.cpu() for name, t in self.named_buffers(recurse=False)}
+        return read_linear(buffers, "", self.scheme).dequantize(dtype).to(self.weight_packed.device)
+
+    def prepare(self, dtype: torch.dtype, use_kernel: bool) -> None:
+        """Pick the compute path after loading: packed kernel (4/8 bits) or a dense weight in ``dtype``."""
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
+        if self.scheme is None:
+            assert self.weight is not None
+            self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
+            return
+        if use_kernel and self.scheme.bits in (4, 8):
+            self.use_kernel = True
+            return
+        dense = self.dequantized_weight(dtype)
+        for name in (PACKED, SCALE, ZERO, SHAPE, G_IDX):
+            self._buffers.pop(name, None)
+        self.scheme = None
+        self.weight = nn.Parameter(dense, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_kernel:
+            from quantkit.runtime.kernels.quant_matmul import quant_matmul
+
+            assert self.scheme is not None
+            return quant_matmul(
+                x,
+                self.weight_packed,
+                self.weight_scale,
+                getattr(self, ZERO, None),
+                getattr(self, G_IDX, None),
+                self.scheme.bits,
+                self.scheme.group_size,
+                self.bias,
+            )
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.weight is not None and not self.use_kernel
+
+    def extra_repr(self) -> str:
+        scheme = self.scheme.name if self.scheme is not None else "dense"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {scheme}"
+
+
+def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Concatenated (weight, bias) of dense linears sharing an input, or None when one is not dense."""
+    if not all(lin.is_dense for lin in linears):
+        return None
+    weight = torch.cat([lin.weight for lin in linears], dim=0)  # type: ignore[misc]
+    if all(lin.bias is None for lin in linears):
+        return weight, None
+    biases = [lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears]
+    return weight, torch.cat(biases)
+
+
+# ----------------------------------------------------------------------------------------------- MLP
+
+
+class MLP(nn.Module):
+    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = Linear(hidden, intermediate, bias)
+        self.up_proj = Linear(hidden, intermediate, bias)
+        self.down_proj = Linear(intermediate, hidden, bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused dense weight, set by prepare
+
+    def prepare(self) -> None:
+        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None:
+            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# ----------------------------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache (q/k norm for Qwen3, q/k/v bias for Qwen2)."""
+
+    def __init__(
+        self,
+        hidden: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm_eps: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim**-0.5
+        self.q_proj = Linear(hidden, num_heads * head_dim, qkv_bias)
+        self.k_proj = Linear(hidden, num_kv_heads * head_dim, qkv_bias)
+        self.v_proj = Linear(hidden, num_kv_heads * head_dim, qkv_bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden, o_bias)
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused dense weight, set by prepare
+        self.backend: AttentionBackend | None = None  # set by the model runner
+        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the model runner
+        self.v_cache: torch.Tensor | None = None
+
+    def prepare(self) -> None:
+        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        assert self.backend is not None and self.k_cache is not None and self.v_cache is not None
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(t, q_size))

@@ -1,0 +1,251 @@
+"""Llama-family decoder (llama, mistral, qwen2, qwen3) for the runtime, loaded straight from safetensors.
+
+The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load
+as they are: the model is built on the meta device from config.json, every Linear the quantization_config
+targets becomes packed buffers, then all shards are loaded with ``assign=True`` and the model is ``prepare``-d
+for its backend. Tied embeddings share the embedding matrix with the LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quantkit.checkpoint import SCALE, QuantizationLayout, parse_quantization_config
+from quantkit.errors import QuantkitError, UnsupportedArchitectureError
+from quantkit.quant_linear import read_checkpoint_config, shard_files
+from quantkit.runtime.attention_backend import AttentionMetadata
+from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+
+
+@dataclass(slots=True, frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: RopeConfig
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedArchitectureError(
+                f"model_type {model_type!r} is not supported by the runtime; supported: {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedArchitectureError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        heads = int(cfg["num_attention_heads"])
+        attention_bias = bool(cfg.get("attention_bias", False))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        return cls(
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v bias
+            o_bias=attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            rope=RopeConfig.from_hf(cfg),
+            sliding_window=int(window) if window else None,
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            qkv_bias=cfg.qkv_bias,
+            o_bias=cfg.o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+        )
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(rope, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. ``forward`` gives hidden states ``[T, H]``; ``compute_logits`` the fp32 logits."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepare(self, dtype: torch.dtype, use_kernels: bool, max_positions: int) -> None:
+        """After loading: cast, dequantize or keep packed, fuse dense projections, build the rotary table."""
+        device = self.model.embed_tokens.weight.device
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare(dtype, use_kernels)
+            elif isinstance(module, RMSNorm):
+                module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
+                module.use_kernel = use_kernels and module.weight.is_cuda
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.prepare()
+        self.model.embed_tokens.weight = nn.Parameter(self.model.embed_tokens.weight.to(dtype), requires_grad=False)
+        self.model.rotary.build(max_positions, device)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+
+
+def _scale_dtypes(files: list[Path]) -> dict[str, torch.dtype]:
+    dtypes: dict[str, torch.dtype] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith("." + SCALE):
+                    dtypes[key] = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype(), torch.bfloat16)
+    return dtypes
+
+
+def _apply_layout(model: CausalLM, layout: QuantizationLayout, scale_dtypes: Mapping[str, torch.dtype]) -> int:
+    count = 0
+    for name, module in model.named_modules():
+        if isinstance(module, Linear):
+            scheme = layout.scheme_for(name, [c.__name__ for c in type(module).__mro__])
+            if scheme is not None:
+                module.quantize(scheme, scale_dtypes.get(f"{name}.{SCALE}", torch.bfloat16))
+                count += 1
+        elif isinstance(module, nn.Embedding) and layout.scheme_for(name, ["Embedding"]) is not None:
+            raise QuantkitError(f"quantization_config quantizes embedding {name!r}; the runtime loads Linear only")
+    return count
+
+
+def _load_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """All checkpoint tensors on ``device``; float tensors cast to ``dtype`` except quantization scales."""
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device=str(device)) as handle:
+            for key in handle.keys():  # noqa: SIM118
+                tensor = handle.get_tensor(key)
+                if tensor.is_floating_point() and not key.endswith("." + SCALE):
+                    tensor = tensor.to(dtype)
+                state[key] = tensor
+    return state
+
+
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    use_kernels: bool = False,
+    max_positions: int | None = None,
+) -> CausalLM:
+    """Build and load a :class:`CausalLM` from a HF or quantized (compressed-tensors) checkpoint directory."""
+    path, device = Path(path), torch.device(device)
+    raw = read_checkpoint_config(path)
+    cfg = ModelConfig.from_hf(raw)
+    files = shard_files(path)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    if raw.get("quantization_config"):
+        layout = parse_quantization_config(raw["quantization_config"])
+        if _apply_layout(model, layout, _scale_dtypes(files)) == 0:
+            raise QuantkitError(f"quantization_config of {path} targets no Linear layer of the model")
+
+    state = _load_state(files, dtype, device)
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # tied: the embedding matrix is the head
+    expected = set(model.state_dict().keys())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise QuantkitError(
+            f"checkpoint {path} does not match its config.json: missing {sorted(missing)[:8]}, "
+            f"unexpected {sorted(unexpected)[:8]}; the checkpoint is incomplete or of another architecture"
+        )
+    model.load_state_dict(state, strict=True, assign=True)
+    model.prepare(dtype, use_kernels, max_positions or cfg.max_position_embeddings)
+    return model.eval()
+
+
+def read_generation_eos(path: str | Path) -> list[int]:
+    """EOS ids as ``generate`` uses them: generation_config.json first, then config.json."""
+    path = Path(path)
+    for name in ("generation_config.json", "config.json"):
+        f = path / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [eos] if isinstance(eos, int) else [int(e) for e in eos]
+    return []

@@ -1,0 +1,91 @@
+"""Owns the model and the KV cache; turns a SchedulerOutput into input tensors and last-position logits.
+
+For a sequence scheduled with ``n`` tokens, positions are ``[num_computed_tokens, num_computed_tokens + n)`` and
+position ``p`` lives in cache slot ``block_table[p // block_size] * block_size + p % block_size``. Index tensors
+are built once per step from Python lists; only the rows whose logits are needed (each sequence's last
+scheduled token) go through the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
+from quantkit.runtime.layers import Attention
+from quantkit.runtime.model import CausalLM
+from quantkit.runtime.scheduler import SchedulerOutput
+from quantkit.runtime.sequence import Sequence
+
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.config
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self, model: CausalLM, backend: AttentionBackend, num_blocks: int, block_size: int, dtype: torch.dtype
+    ) -> None:
+        cfg = model.config
+        self.model, self.backend, self.block_size = model, backend, block_size
+        self.device = model.model.embed_tokens.weight.device
+        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for i, attn in enumerate(layers):
+            attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
+
+    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _block_tables(self, seqs: list[Sequence], context_lens: list[int]) -> torch.Tensor:
+        width = max(-(-c // self.block_size) for c in context_lens)
+        rows = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
+        return self._tensor(rows, torch.int32)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, index of each sequence's last row)."""
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        ctx_lens: list[int] = []
+        last: list[int] = []
+        for seq, n in zip(out.seqs, out.num_tokens, strict=True):
+            start, table = seq.num_computed_tokens, seq.block_table
+            end = start + n
+            if n == 1:
+                ids.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            ctx_lens.append(end)
+            last.append(len(ids) - 1)
+        block_tables = self._block_tables(out.seqs, ctx_lens)
+        context_lens = self._tensor(ctx_lens, torch.int32)
+        decode_mask = None
+        if not out.is_prefill:  # shared by every layer's decode attention
+            keys = torch.arange(block_tables.shape[1] * bs, device=self.device)
+            decode_mask = (keys[None, :] < context_lens[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            is_prefill=out.is_prefill,
+            slot_mapping=self._tensor(slots, torch.int64),
+            block_tables=block_tables,
+            context_lens=context_lens,
+            query_lens=list(out.num_tokens),
+            context_lens_list=ctx_lens,
+            decode_mask=decode_mask,
+        )
+        pos = self._tensor(positions, torch.int64)
+        return self._tensor(ids, torch.int64), pos, meta, self._tensor(last, torch.int64)
+
+    @torch.inference_mode()
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits ``[B, vocab]`` at each scheduled sequence's last token."""
+        input_ids, positions, meta, last = self.prepare(out)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[last])

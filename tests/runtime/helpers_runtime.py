@@ -1,0 +1,91 @@
+"""Tiny checkpoints for runtime tests: HF models saved to disk (float and quantized) and a logits helper."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import rtn_for_tests, tiny_llama
+
+from quantkit.checkpoint import build_quantization_config, parse_quantization_config, save_quantized_model
+from quantkit.runtime.engine import Engine
+from quantkit.runtime.sampling_params import SamplingParams
+from quantkit.scheme import QuantScheme
+
+QUANT_GROUPS = [
+    (QuantScheme(bits=4, group_size=32, symmetric=True), ["Linear"]),
+    (QuantScheme(bits=8, group_size=-1, symmetric=False), [r"re:.*down_proj$"]),
+    (QuantScheme(bits=3, group_size=16, symmetric=False, act_order=True), [r"re:.*layers\.1\.self_attn\.v_proj$"]),
+]
+
+
+def save_hf(model: torch.nn.Module, path: Path) -> Path:
+    model.save_pretrained(path)
+    return path
+
+
+def save_quantized(model: torch.nn.Module, path: Path, groups=QUANT_GROUPS, ignore=("lm_head",)) -> Path:
+    """RTN-quantize every targeted Linear and write a compressed-tensors checkpoint (bf16 storage)."""
+    cfg = build_quantization_config(list(groups), list(ignore))
+    layout = parse_quantization_config(cfg)
+    quantized = {
+        name: rtn_for_tests(m.weight, layout.scheme_for(name))
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and layout.scheme_for(name) is not None
+    }
+    return save_quantized_model(model, quantized, cfg, path)
+
+
+def tiny_qwen(kind: str, seed: int = 0) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=96,
+        vocab_size=256,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    if kind == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common)).float().eval()
+    return Qwen3ForCausalLM(Qwen3Config(head_dim=32, **common)).float().eval()
+
+
+def engine_logits(engine: Engine, token_ids: list[int]) -> torch.Tensor:
+    """fp32 logits at every position of ``token_ids`` from one prefill through the engine's runner."""
+    engine.add_request(token_ids, SamplingParams(temperature=0, max_tokens=1))
+    out = engine.scheduler.schedule()
+    assert out.is_prefill and out.num_tokens == [len(token_ids)]
+    runner = engine.runner
+    input_ids, positions, meta, _ = runner.prepare(out)
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(runner.model(input_ids, positions, meta))
+    engine.scheduler.postprocess(out.seqs, [0])  # finishes it (max_tokens=1)
+    return logits
+
+
+def hf_logits(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([token_ids])).logits[0].float()
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def tiny_llama_dir(path: Path, **overrides) -> Path:
+    return save_hf(tiny_llama(**overrides), path)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread (and do not stall when the CPU is shared); import it to use it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ from quantkit.errors import QuantkitError
 
 BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-DEFAULT_KV_CACHE_MEMORY = 512 * 1024**2  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
+DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
 
 
 @dataclass(slots=True)

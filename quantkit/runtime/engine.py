@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +132,16 @@ class Engine:
             if self.tokenizer is None:
                 raise QuantkitError(f"{self.path} has no tokenizer; pass the prompt as a list of token ids")
             return list(self.tokenizer(prompt).input_ids)
-        ids = list(prompt)
         vocab = self.model.config.vocab_size
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        try:  # any integer-like ids (numpy, 0-d tensors); bools and floats are refused
+            ids = [operator.index(t) for t in prompt if not isinstance(t, bool)]
+            if len(ids) != len(prompt):
+                raise TypeError
+        except TypeError:
+            raise QuantkitError("a prompt must be a string or a list of integer token ids") from None
+        bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise QuantkitError(f"prompt token ids {bad[:5]} are not integers in [0, {vocab}) (the vocabulary)")
+            raise QuantkitError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         return ids
 
     def abort(self, request_id: str) -> bool:

@@ -223,14 +223,24 @@ class Linear(nn.Module):
 
 
 def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenated (weight, bias) of dense linears sharing an input, or None when one is not dense."""
+    """Concatenated (weight, bias) of dense linears sharing an input, or None when one is not dense.
+
+    Each linear's own weight (and bias) becomes a view into the fused tensor, so fusing costs no memory.
+    """
     if not all(lin.is_dense for lin in linears):
         return None
     weight = torch.cat([lin.weight for lin in linears], dim=0)  # type: ignore[misc]
-    if all(lin.bias is None for lin in linears):
-        return weight, None
-    biases = [lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears]
-    return weight, torch.cat(biases)
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears])
+    start = 0
+    for lin in linears:
+        rows = slice(start, start + lin.out_features)
+        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
+        if lin.bias is not None and bias is not None:
+            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
+        start += lin.out_features
+    return weight, bias
 
 
 # ----------------------------------------------------------------------------------------------- MLP

@@ -129,6 +129,7 @@ def test_bad_requests_are_refused_alone(tiny_model_dir: Path) -> None:
         ([1, 5, 6], SamplingParams(max_tokens=40), "KV blocks"),
         ([1, 5, 6], bad_params, "temperature"),
         ([1, 5, VOCAB + 3], SamplingParams(max_tokens=4), "vocabulary"),
+        ([1, 5.0], SamplingParams(max_tokens=4), "integer token ids"),
         ([], SamplingParams(max_tokens=4), "empty prompt"),
     ]
     engine.step()  # the good ones are running when the bad ones arrive
@@ -269,3 +270,19 @@ def test_triton_backend_matches_torch_backend(tiny_model_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["triton"] == out["torch"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"backend": "cuda-magic"}, "backend"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"num_kv_blocks": 8, "kv_cache_memory": 2**20}, "not both"),
+    ],
+)
+def test_engine_config_is_validated(kwargs: dict, message: str) -> None:
+    from quantkit.runtime.config import EngineConfig
+
+    with pytest.raises(QuantkitError, match=message):
+        EngineConfig(**kwargs)

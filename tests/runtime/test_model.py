@@ -67,3 +67,19 @@ def test_loader_builds_on_meta_and_shares_tied_embeddings(tmp_path: Path) -> Non
 def test_unsupported_architecture_is_refused() -> None:
     with pytest.raises(QuantkitError, match="not supported"):
         ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_quantized_checkpoint_generates_like_its_reference(tmp_path: Path) -> None:
+    from quantkit.runtime.sampling_params import SamplingParams
+
+    path = save_quantized(tiny_llama(seed=3), tmp_path / "q")
+    reference = load_quantized_model(path, dtype=torch.float32)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        expected = reference.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = _engine(path)
+    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.finished]
+    assert outs[0].token_ids == expected[0, len(PROMPT) :].tolist()

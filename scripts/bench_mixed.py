@@ -1,0 +1,131 @@
+"""Mixed precision under a budget vs the best uniform scheme that fits the same budget (SmolLM2).
+
+One sensitivity measurement, then for each budget: the planned checkpoint's perplexity and KL against the
+original, next to the best uniform scheme whose size fits that budget (lowest KL among those measured).
+Also reports the Spearman rank correlation between the plans' predicted error and their real KL.
+
+    python scripts/bench_mixed.py --budgets 3.5,4.25,4.5,5,6,8 --samples 128 --eval-windows 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from quantkit.candidates import parse_candidate
+from quantkit.config import EvalConfig, QuantizeConfig
+from quantkit.evaluate import evaluate
+from quantkit.pipeline import quantize_model
+from quantkit.plan_io import save_plan
+from quantkit.planner import plan
+from quantkit.sensitivity import SensitivityConfig, measure_sensitivity
+
+CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, i in enumerate(order):
+            out[i] = float(rank)
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    mx, my = sum(rx) / n, sum(ry) / n
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--budgets", default="3.5,4.25,4.5,5,6,8")
+    parser.add_argument("--method", default="gptq")
+    parser.add_argument("--samples", type=int, default=128)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    console = Console()
+    budgets = [float(b) for b in args.budgets.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        calib_kw = {"num_samples": args.samples, "seq_len": args.seq_len}
+        measurement = measure_sensitivity(SensitivityConfig(model=args.model, candidates=CANDIDATES, **calib_kw))
+        params = measurement.total_params
+
+        def run(name: str, **quant_kw) -> dict:
+            out = root / name
+            quantize_model(QuantizeConfig(model=args.model, output=out, method=args.method, **calib_kw, **quant_kw))
+            e = evaluate(
+                EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
+            )
+            return {"perplexity": e.perplexity, "kl": e.kl_mean, "top1": e.top1_agreement}
+
+        uniform = {}
+        for name in CANDIDATES[:-1]:
+            bpw = sum(u.options[name].bits for u in measurement.units) / params
+            uniform[name] = {"bpw": bpw, **run(f"uniform-{name}", scheme=parse_candidate(name))}
+        rows = []
+        for budget in budgets:
+            chosen = plan(measurement, target_bits=budget)
+            plan_file = save_plan(chosen, root / f"plan-{budget}.yaml")
+            result = run(f"plan-{budget}", plan=plan_file)
+            fits = {k: v for k, v in uniform.items() if v["bpw"] <= budget}
+            best = min(fits.items(), key=lambda kv: kv[1]["kl"]) if fits else None
+            rows.append(
+                {
+                    "budget": budget,
+                    "plan_bpw": chosen.bits_per_weight,
+                    "predicted": chosen.predicted_error,
+                    **result,
+                    "uniform": best[0] if best else None,
+                    "uniform_result": best[1] if best else None,
+                }
+            )
+    table = Table(
+        title=f"Mixed precision vs uniform on {args.model} ({args.method}, {args.samples}x{args.seq_len} "
+        f"calibration, {args.eval_windows} eval windows)"
+    )
+    for col in (
+        "budget",
+        "plan bits/w",
+        "plan ppl",
+        "plan KL",
+        "best uniform",
+        "uniform bits/w",
+        "uniform ppl",
+        "uniform KL",
+        "KL ratio",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        u = r["uniform_result"]
+        table.add_row(
+            f"{r['budget']:.2f}",
+            f"{r['plan_bpw']:.3f}",
+            f"{r['perplexity']:.3f}",
+            f"{r['kl']:.4f}",
+            r["uniform"] or "none fits",
+            f"{u['bpw']:.3f}" if u else "-",
+            f"{u['perplexity']:.3f}" if u else "-",
+            f"{u['kl']:.4f}" if u else "-",
+            f"{r['kl'] / u['kl']:.2f}" if u else "-",
+        )
+    console.print(table)
+    rho = spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
+    console.print(f"Spearman(predicted error, real KL) over {len(rows)} plans: {rho:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "uniform": uniform, "spearman": rho}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

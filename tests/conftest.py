@@ -12,6 +12,10 @@ REPO = Path(__file__).resolve().parents[1]
 # Converted models are cached under a directory the tests create, reused across runs.
 os.environ.setdefault("QUANTKIT_CACHE", str(REPO / ".cache" / "quantkit"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Triton kernels run under the CPU interpreter when no GPU is present; the flag must be set before any test
+# module imports triton (kernels check it when they are decorated).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 WORDS = [

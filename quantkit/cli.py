@@ -186,6 +186,8 @@ def quantize(
     from quantkit.pipeline import quantize_model
     from quantkit.scheme import QuantScheme
 
+    if sym is None:
+        sym = not method.startswith("awq")  # AWQ defaults to asymmetric, as in AutoAWQ
     scheme = QuantScheme(
         bits=bits,
         group_size=group_size,
@@ -320,6 +322,131 @@ def inspect(
     out.print(render_report(report))
     if json_out is not None:
         write_json(json_out, report.to_dict())
+
+
+@app.command("run")
+def run_(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML (see `quantkit recipe new`).")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="Override a key, e.g. --set quantization.scheme.bits=8.")
+    ] = None,
+    report: Annotated[Path | None, typer.Option(help="Report directory (default: <output>/report).")] = None,
+) -> None:
+    """Run a recipe: calibrate, quantize, evaluate, check the gates; exit 1 when a gate fails."""
+    from quantkit.recipe_run import render_tables, run_recipe
+    from quantkit.recipe_schema import load_recipe
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    result = run_recipe(loaded, recipe_path=recipe, report_dir=report, console=out)
+    for table in render_tables(result):
+        out.print(table)
+    out.print(f"report: {result.report_dir}")
+    if not result.passed:
+        for line in result.failures():
+            err.print(f"[bold red]gate failed:[/] {escape(line)}", soft_wrap=True)
+        raise typer.Exit(1)
+    out.print("[green]all gates passed[/]")
+
+
+recipe_app = typer.Typer(help="Validate or create recipe files.", no_args_is_help=True)
+app.add_typer(recipe_app, name="recipe")
+
+
+@recipe_app.command("validate")
+def recipe_validate(
+    recipe: Annotated[Path, typer.Argument(help="Recipe YAML to check.")],
+    set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key, as for `quantkit run`.")] = None,
+) -> None:
+    """Check a recipe against the schema (keys, types, values, regexes, ${ENV}); print the resolved recipe."""
+    from quantkit.recipe_schema import dump_recipe, load_recipe
+
+    loaded = load_recipe(recipe, list(set_ or []))
+    out.print(escape(dump_recipe(loaded)), end="")
+    out.print(f"[green]{escape(str(recipe))} is valid[/]")
+
+
+@recipe_app.command("new")
+def recipe_new(
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="File to write (default: print).")] = None,
+    force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
+) -> None:
+    """Write a commented starting recipe (W4 GPTQ on smollm2-135m) that validates."""
+    from quantkit.recipe_new import write_starter
+
+    text = write_starter(output, force=force)
+    if output is None:
+        print(text, end="")
+    else:
+        out.print(f"wrote {output}; run it with `quantkit run {output}`")
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory, hub id or alias.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    max_num_seqs: Annotated[int, typer.Option(help="Sequences in the running batch at most.")] = 32,
+    max_model_len: Annotated[int | None, typer.Option(help="Prompt + completion tokens at most.")] = None,
+    kv_cache_blocks: Annotated[int | None, typer.Option(help="KV-cache blocks (default: sized from memory).")] = None,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="QUANTKIT_API_KEY", help="Require this bearer token (not on /health).")
+    ] = None,
+    max_queue: Annotated[int, typer.Option(help="Requests waiting beyond the running batch; more get 429.")] = 256,
+    served_model_name: Annotated[str | None, typer.Option(help="Model name clients send (default: MODEL).")] = None,
+    drain_timeout: Annotated[float, typer.Option(help="Seconds running requests get after SIGTERM.")] = 30.0,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = "warning",
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    from quantkit.server.config import ServeConfig
+    from quantkit.server.runner import serve as run_server
+
+    config = ServeConfig(
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        kv_cache_blocks=kv_cache_blocks,
+        drain_timeout=drain_timeout,
+        log_level=log_level,
+    )
+    run_server(model, config)
+
+
+@app.command()
+def smoke(
+    checkpoint: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory or alias.")],
+    prompt: Annotated[list[str] | None, typer.Option(help="Prompt to send (repeatable; default: two).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 16,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
+) -> None:
+    """Start the server on loopback, check completion/chat/streaming answers against offline greedy output."""
+    import json
+
+    from quantkit.smoke import run_smoke
+
+    report = run_smoke(checkpoint, prompt or None, max_tokens)
+    table = Table(title=f"Serving smoke test of {checkpoint}")
+    for column in ("requests", "p50 latency s", "max latency s", "mean TTFT s", "tokens/s", "seconds"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(report.requests),
+        f"{report.latency_p50_s:.3f}",
+        f"{report.latency_max_s:.3f}",
+        f"{report.ttft_mean_s:.3f}",
+        f"{report.tokens_per_s:.1f}",
+        f"{report.seconds:.1f}",
+    )
+    out.print(table)
+    if json_out is not None:
+        json_out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    if not report.ok:
+        for line in report.failures:
+            err.print(f"[bold red]smoke failed:[/] {escape(line)}", soft_wrap=True)
+        raise typer.Exit(1)
+    out.print("[green]smoke test passed[/]")
 
 
 def main() -> None:

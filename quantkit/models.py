@@ -79,7 +79,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = None) -> PreTrained
     if is_quantized_dir(path):
         from quantkit.quant_linear import load_quantized_model
 
-        model = load_quantized_model(path, dtype=dtype)
+        model = load_quantized_model(path, dtype=dtype, cache_weight=True)  # dequantize once, not per forward
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     return model.eval()

@@ -25,7 +25,7 @@ from quantkit.calibration import CalibrationSet, build_calibration
 from quantkit.checkpoint import ShardedWriter, linear_tensors
 from quantkit.config import CalibrationConfig, QuantizeConfig
 from quantkit.errors import QuantkitError
-from quantkit.gptq import GPTQConfig, gptq_solve
+from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
 from quantkit.grid import quantize_rtn
 from quantkit.progress import progress_bar
 from quantkit.scheme import QuantizedWeight, QuantScheme
@@ -227,27 +227,62 @@ def quantize_block(
         else:
             for _ in staged.stage_inputs(stage_index):  # keeps the stage caches that the output needs
                 pass
-        for name in stage:
-            scheme = schemes.get(name)
-            if scheme is None:
-                continue
-            linear = get_module(block, name)
-            full = f"{prefix}.{name}"
+        for names, scheme in _same_scheme_runs(stage, schemes):
+            linears = [get_module(block, name) for name in names]
+            fulls = [f"{prefix}.{name}" for name in names]
+            weights = [linear.weight.data for linear in linears]
             if hessian is not None:
-                result = gptq_solve(linear.weight.data, hessian.hessian(), scheme, gptq, scale_dtype=storage, name=full)
-                qw, record = (
-                    result.weight,
-                    LayerRecord(full, scheme.name, result.loss, result.damp, result.fell_back_to_rtn),
-                )
+                solved = _solve_stacked(weights, hessian.hessian(), scheme, gptq, storage, fulls)
             else:
-                qw, record = (
-                    quantize_rtn(linear.weight.data, scheme, scale_dtype=storage),
-                    LayerRecord(full, scheme.name, None, None),
-                )
-            linear.weight.data = qw.dequantize(torch.float32)
-            quantized[name] = qw
-            records.append(asdict(record))
+                solved = [
+                    (quantize_rtn(w, scheme, scale_dtype=storage), LayerRecord(f, scheme.name, None, None))
+                    for w, f in zip(weights, fulls, strict=True)
+                ]
+            for name, linear, (qw, record) in zip(names, linears, solved, strict=True):
+                linear.weight.data = qw.dequantize(torch.float32)
+                quantized[name] = qw
+                records.append(asdict(record))
     return quantized, staged.output(), records
+
+
+def _same_scheme_runs(
+    stage: tuple[str, ...], schemes: dict[str, QuantScheme | None]
+) -> list[tuple[list[str], QuantScheme]]:
+    """The stage's quantized linears grouped by scheme (a fused group always forms one run)."""
+    runs: dict[QuantScheme, list[str]] = {}
+    for name in stage:
+        scheme = schemes.get(name)
+        if scheme is not None:
+            runs.setdefault(scheme, []).append(name)
+    return [(names, scheme) for scheme, names in runs.items()]
+
+
+def _solve_stacked(
+    weights: list[torch.Tensor],
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    gptq: GPTQConfig,
+    storage: torch.dtype,
+    names: list[str],
+) -> list[tuple[QuantizedWeight, LayerRecord]]:
+    """GPTQ on linears that share an input (one Hessian): rows are independent given H, so solving the
+    row-stacked matrix once equals solving each linear alone, with one factorisation and one column sweep."""
+    result = gptq_solve(torch.cat(weights), hessian, scheme, gptq, scale_dtype=storage, name=", ".join(names))
+    out, start = [], 0
+    for w, name in zip(weights, names, strict=True):
+        rows = slice(start, start + w.shape[0])
+        start = rows.stop
+        qw = result.weight
+        part = QuantizedWeight(
+            qweight=qw.qweight[rows].contiguous(),
+            scale=qw.scale[rows].contiguous(),
+            zero=None if qw.zero is None else qw.zero[rows].contiguous(),
+            g_idx=qw.g_idx,
+            scheme=scheme,
+        )
+        loss = hessian_weighted_error(w, part.dequantize(), hessian)
+        out.append((part, LayerRecord(name, scheme.name, loss, result.damp, result.fell_back_to_rtn)))
+    return out
 
 
 def _awq_records(prefix: str, report: AWQBlockReport) -> list[dict]:

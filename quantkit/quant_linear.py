@@ -155,7 +155,12 @@ def _class_names(module: nn.Module) -> list[str]:
     return [c.__name__ for c in type(module).__mro__]
 
 
-def replace_linears(model: nn.Module, layout: QuantizationLayout, scale_dtypes: Mapping[str, torch.dtype]) -> int:
+def replace_linears(
+    model: nn.Module,
+    layout: QuantizationLayout,
+    scale_dtypes: Mapping[str, torch.dtype],
+    cache_weight: bool = False,
+) -> int:
     """Swap every targeted (not ignored) Linear for a QuantLinear on the meta device; returns the count."""
     count = 0
     for name, module in list(model.named_modules()):
@@ -174,6 +179,7 @@ def replace_linears(model: nn.Module, layout: QuantizationLayout, scale_dtypes: 
             bias=module.bias is not None,
             scale_dtype=scale_dtypes.get(f"{name}.{SCALE}", torch.bfloat16),
             device="meta",
+            cache_weight=cache_weight,
         )
         setattr(model.get_submodule(parent_name), leaf, layer)
         count += 1
@@ -251,10 +257,11 @@ def materialize_meta_buffers(model: nn.Module) -> None:
             module._buffers[b] = getattr(fresh, b)
 
 
-def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_weight: bool = False) -> nn.Module:
     """Load a quantkit / compressed-tensors ``pack-quantized`` checkpoint with QuantLinear layers (CPU).
 
-    Non-quantized float tensors are cast to ``dtype``; scales stay in their stored dtype.
+    Non-quantized float tensors are cast to ``dtype``; scales stay in their stored dtype. ``cache_weight``
+    keeps each dense weight after its first use (fast repeated forwards, e.g. evaluation; dense memory).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -270,7 +277,7 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32) -> nn.M
         del config.quantization_config  # build a plain model; QuantLinear replaces the targeted layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if replace_linears(model, layout, _scale_dtypes(files)) == 0:
+    if replace_linears(model, layout, _scale_dtypes(files), cache_weight) == 0:
         raise QuantkitError(f"quantization_config of {path} targets no Linear layer of {type(model).__name__}")
 
     state = _load_tensors(files, dtype)

@@ -205,3 +205,19 @@ def test_quantize_and_inspect_cli(tiny_model_dir, calib_file, tmp_path, capsys):
     assert code == 0, err
     data = json.loads(report.read_text())
     assert 8.0 < data["avg_bits_per_weight"] < 8.5
+
+
+def test_stacked_solve_equals_solving_each_linear():
+    from quantkit.gptq import gptq_solve
+    from quantkit.pipeline import _solve_stacked
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 48, generator=gen) @ torch.randn(48, 48, generator=gen)
+    hessian = 2 * x.T @ x / x.shape[0]
+    weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
+    scheme = QuantScheme(bits=4, group_size=16, act_order=True)
+    stacked = _solve_stacked(weights, hessian, scheme, GPTQConfig(), torch.bfloat16, ["q", "k", "v"])
+    for w, (qw, record) in zip(weights, stacked, strict=True):
+        alone = gptq_solve(w, hessian, scheme, GPTQConfig()).weight
+        assert torch.allclose(qw.dequantize(), alone.dequantize(), atol=1e-6)
+        assert torch.equal(qw.g_idx, alone.g_idx) and record.loss > 0

@@ -1,0 +1,73 @@
+"""The commented starting recipe written by ``quantkit recipe new``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+
+STARTER = """\
+# quantkit recipe: run with `quantkit run THIS.yaml [--set key.path=value] [--report DIR]`.
+# Check it with `quantkit recipe validate THIS.yaml`. Values may use ${VAR} or ${VAR:-default}.
+# Relative paths are relative to the current directory. Exit status: 0 gates pass, 1 a gate fails, 2 bad input.
+
+model: smollm2-135m            # local HF directory, hub id, or alias
+
+calibration:
+  dataset: null                # file (.txt/.jsonl/.json/.parquet), directory, HF dataset; null: shipped corpus
+  num_samples: 128             # windows
+  seq_len: 512                 # tokens per window
+  seed: 0
+  strategy: random             # random | document
+  select: random               # random | diverse
+
+quantization:
+  method: gptq                 # rtn | gptq | awq | awq+gptq
+  scheme:
+    bits: 4                    # 2 | 3 | 4 | 8
+    group_size: 128            # 32, 64, 128 ... or -1 for per-channel
+    symmetric: true            # omit: symmetric, asymmetric for AWQ
+    act_order: false           # GPTQ: columns by descending Hessian diagonal
+    static_groups: false
+    mse_clip: false
+  damp: 0.01                   # GPTQ damping (fraction of the mean Hessian diagonal)
+  ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
+  # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
+  # mixed:
+  #   target_bits: 4.5         # or max_size_mb: 60
+  #   candidates: [int4-g128, int4-g64, int4-g32, int8, fp16]
+  #   pins: {'down_proj$': int8}
+  #   mode: proxy              # proxy | kl
+  # ... or an existing plan from `quantkit plan`:
+  # plan: plan.yaml
+
+output:
+  directory: ${QUANTKIT_OUT:-out}/smollm2-w4-gptq
+  force: true                  # replace a checkpoint that no longer matches the recipe
+
+evaluation:
+  dataset: null                # null: held-out Persuasion text
+  windows: 40                  # null: every window
+  seq_len: 512
+  reference: null              # null: the recipe's model (baseline perplexity, KL, top-1)
+
+gates:                         # each optional; a failing gate makes `quantkit run` exit 1
+  max_ppl_increase_pct: 25.0   # quantized perplexity vs the reference's, in percent
+  max_kl_mean: 0.25            # mean KL divergence from the reference (nats/token)
+  min_top1_agreement: 0.75     # fraction of positions with the reference's top-1 token
+
+smoke:
+  enabled: false               # serve the checkpoint and check greedy output against the offline engine
+  prompts: null                # null: the smoke test's default prompts
+  max_tokens: 16
+"""
+
+
+def write_starter(path: Path | None, *, force: bool = False) -> str:
+    """The starter text; also written to ``path`` when given (never over an existing file without force)."""
+    if path is not None:
+        if path.exists() and not force:
+            raise QuantkitError(f"'{path}' exists; pass --force to overwrite it or choose another -o")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(STARTER)
+    return STARTER

@@ -1,0 +1,284 @@
+"""The OpenAI-compatible HTTP app: ``create_app(engine_or_model, ServeConfig)``."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.engine import Engine, RequestOutput
+from quantkit.runtime.sampling_params import SamplingParams
+from quantkit.runtime.sequence import FinishReason
+from quantkit.server.async_engine import AsyncEngine
+from quantkit.server.config import ServeConfig
+from quantkit.server.metrics import Metrics, resident_memory_bytes
+from quantkit.server.protocol import (
+    APIError,
+    AssistantMessage,
+    BaseRequest,
+    ChatChoice,
+    ChatRequest,
+    ChatResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+    chunk,
+    new_id,
+)
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    metrics: Metrics
+    model_name: str
+    api_key: str | None
+    draining: bool = False  # set on SIGTERM: new requests get 503 while running ones finish
+
+
+def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None = None) -> FastAPI:
+    """``engine_or_model``: an :class:`Engine`, or anything ``quantkit.LLM`` accepts (loaded now)."""
+    config = config or ServeConfig()
+    if isinstance(engine_or_model, Engine):
+        engine, default_name = engine_or_model, engine_or_model.path.name
+    else:
+        engine, default_name = Engine(engine_or_model, config.engine_config()), str(engine_or_model)
+    metrics = Metrics()
+    name = config.served_model_name or default_name
+    state = ServerState(AsyncEngine(engine, config.max_queue, metrics), metrics, name, config.api_key)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.engine.start()
+        yield
+        state.engine.stop()
+
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    app.add_middleware(_Gate, state=state)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "quantkit"}
+        return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        stats = state.engine.stats
+        gauges = {
+            "quantkit_num_requests_running": ("Sequences in the running batch.", lambda: stats.running),
+            "quantkit_num_requests_waiting": ("Sequences waiting for admission.", lambda: stats.waiting),
+            "quantkit_num_requests_in_flight": ("HTTP requests being served.", lambda: state.engine.num_in_flight),
+            "quantkit_kv_cache_usage_ratio": ("Fraction of KV blocks in use.", lambda: stats.kv_usage),
+            "quantkit_kv_cache_free_blocks": ("Free KV blocks.", lambda: stats.free_blocks),
+            "process_resident_memory_bytes": ("Resident memory of the server process.", resident_memory_bytes),
+        }
+        return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        _check(req, state)
+        prompt = req.single_prompt()
+        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16)
+        rid = await state.engine.add(lambda _: (prompt, params))
+        return await _respond(state, req, rid, params, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatRequest, request: Request) -> Any:
+        _check(req, state)
+        messages = req.plain_messages()
+        limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        params = req.sampling_params(limit if limit is not None else 1)
+
+        def build(eng: Engine) -> tuple[list[int], SamplingParams]:
+            ids = chat_prompt_ids(eng.tokenizer, messages)
+            if limit is None:  # as OpenAI: up to the context length
+                params.max_tokens = max(1, eng.max_model_len - len(ids))
+            return ids, params
+
+        rid = await state.engine.add(build)
+        return await _respond(state, req, rid, params, request, chat=True)
+
+    return app
+
+
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The tokenizer's chat template (with the assistant prompt); without one, plain ``role: content`` lines."""
+    if tokenizer is None:
+        raise QuantkitError("this model has no tokenizer, so chat requests are not possible; use /v1/completions")
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # template errors (e.g. roles out of order) are the request's fault
+            raise APIError(400, f"chat template failed: {exc}", param="messages") from None
+        return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template has the special tokens
+    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+    return list(tokenizer(text).input_ids)
+
+
+def _check(req: BaseRequest, state: ServerState) -> None:
+    if req.model != state.model_name:
+        raise APIError(
+            400, f"model {req.model!r} is not served here; use {state.model_name!r}", param="model",
+            code="model_not_found",
+        )  # fmt: skip
+    req.check_supported()
+
+
+async def _respond(
+    state: ServerState, req: BaseRequest, rid: str, params: SamplingParams, request: Request, chat: bool
+) -> Any:
+    eng, model = state.engine, state.model_name
+    rid_out = new_id("chatcmpl" if chat else "cmpl")
+    if req.stream:
+        events = _stream(eng, rid, rid_out, model, params.stop, req.include_usage, chat)
+        background = BackgroundTask(eng.cleanup, rid)  # runs even when the client left before the first event
+        return StreamingResponse(events, media_type="text/event-stream", background=background)
+    final: RequestOutput | None = None
+    async for out in eng.outputs(rid, request.is_disconnected):
+        final = out
+    if final is None or not final.finished:
+        return JSONResponse({}, 499)  # the client is gone; nobody reads this
+    if final.finish_reason is FinishReason.ERROR:
+        raise APIError(500, final.error or "generation failed", "server_error")
+    usage = _usage(final)
+    reason = _reason(final)
+    if chat:
+        choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=reason)
+        return ChatResponse(id=rid_out, model=model, choices=[choice], usage=usage)
+    return CompletionResponse(
+        id=rid_out, model=model, choices=[CompletionChoice(text=final.text, finish_reason=reason)], usage=usage
+    )
+
+
+async def _stream(
+    eng: AsyncEngine, rid: str, rid_out: str, model: str, stops: list[str], include_usage: bool, chat: bool
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    hold = max((len(s) for s in stops), default=1) - 1  # a stop string's start may still be cut from the text
+    sent = 0
+    final: RequestOutput | None = None
+    if chat:
+        role = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        yield _event(chunk(rid_out, created, model, role, chat=True))
+    try:
+        async for out in eng.outputs(rid):
+            final = out
+            if out.finish_reason is FinishReason.ERROR:
+                break
+            text = out.text
+            end = len(text) if out.finished else len(text.rstrip("\ufffd")) - hold  # no half characters
+            delta = text[sent:end] if end > sent else ""
+            sent = max(sent, end)
+            reason = _reason(out) if out.finished else None
+            if delta or reason:
+                content = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
+                yield _event(chunk(rid_out, created, model, {**content, "finish_reason": reason}, chat=chat))
+    except APIError as exc:
+        yield _event(exc.body())
+        yield "data: [DONE]\n\n"
+        return
+    if final is not None and final.finish_reason is FinishReason.ERROR:
+        yield _event(APIError(500, final.error or "generation failed", "server_error").body())
+    elif final is not None and include_usage:
+        yield _event(chunk(rid_out, created, model, None, _usage(final), chat=chat))
+    yield "data: [DONE]\n\n"
+
+
+def _event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _usage(out: RequestOutput) -> Usage:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _reason(out: RequestOutput) -> str:
+    return "length" if out.finish_reason is FinishReason.LENGTH else "stop"
+
+
+# ----------------------------------------------------------------- errors and the gate
+async def _api_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), exc.status)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return JSONResponse(APIError(400, f"malformed JSON body: {first.get('msg', '')}").body(), 400)
+    param = ".".join(loc) or None
+    return JSONResponse(APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param).body(), 400)
+
+
+async def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), exc.status_code)
+
+
+class _Gate:
+    """Outermost app middleware: 503 while draining, 401 without the API key, and requests counted by status."""
+
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        status = 500  # an exception escaping the app becomes a 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope, path)
+            if error is None:
+                await self.app(scope, receive, counted)
+            else:
+                headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+                await JSONResponse(error.body(), error.status, headers)(scope, receive, counted)
+        finally:
+            self.state.metrics.count_request(path if path in ROUTES else "other", status)
+
+    def _refuse(self, scope: Scope, path: str) -> APIError | None:
+        key = self.state.api_key
+        if key is not None and path != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        if self.state.draining and path.startswith("/v1/"):
+            return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        return None

@@ -1,0 +1,196 @@
+"""OpenAI-shaped request and response models, and the error object every failure is reported with."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An HTTP error with an OpenAI error object: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class BaseRequest(BaseModel):
+    """Fields shared by both endpoints; unknown fields are accepted and ignored, as most OpenAI servers do."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens tokens
+    # Accepted when they ask for nothing the runtime would have to do:
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: bool | int | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n={self.n} is not supported; only n=1", param="n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) != 0:
+                raise APIError(400, f"{name} is not supported; use 0", param=name)
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """Raises APIError naming the parameter for an out-of-range value."""
+        try:
+            return SamplingParams(
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                stop=self.stop or [],
+                ignore_eos=self.ignore_eos,
+            )
+        except QuantkitError as exc:
+            param = str(exc).removeprefix("sampling parameter ").split("=", 1)[0]
+            raise APIError(400, str(exc), param=param) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(BaseRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            prompt = prompt[0]
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        if self.echo or self.suffix or self.best_of not in (None, 1):
+            raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+        return prompt
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = "text"
+    text: str = ""
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            if any(p.type != "text" for p in self.content):
+                raise APIError(400, "only text content parts are supported", param="messages")
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(BaseRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def plain_messages(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+# ----------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class ChatResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+def chunk(
+    rid: str, created: int, model: str, choice: dict[str, Any] | None, usage: Usage | None = None, chat: bool = False
+) -> dict[str, Any]:
+    """One streamed event; ``choice`` is {"text": ...} or {"delta": {...}} plus finish_reason (None: usage only)."""
+    body: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [{"index": 0, "logprobs": None, **choice}],
+    }
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

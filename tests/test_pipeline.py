@@ -221,3 +221,14 @@ def test_stacked_solve_equals_solving_each_linear():
         alone = gptq_solve(w, hessian, scheme, GPTQConfig()).weight
         assert torch.allclose(qw.dequantize(), alone.dequantize(), atol=1e-6)
         assert torch.equal(qw.g_idx, alone.g_idx) and record.loss > 0
+
+
+@pytest.mark.parametrize(("method", "symmetric"), [("rtn", True), ("gptq", True), ("awq", False)])
+def test_cli_default_symmetry_follows_the_method(tiny_model_dir, calib_file, tmp_path, capsys, method, symmetric):
+    out = tmp_path / "out"
+    code, _, err = run_cli(
+        ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), "--method", method], capsys
+    )
+    assert code == 0, err
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert groups["group_0"]["weights"]["symmetric"] is symmetric

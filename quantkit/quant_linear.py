@@ -196,7 +196,8 @@ def _load_tensors(files: Iterable[Path], dtype: torch.dtype) -> dict[str, torch.
     return state
 
 
-def _scale_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
+def scale_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
+    """The stored dtype of every ``weight_scale`` tensor, read from the safetensors headers."""
     from safetensors import safe_open
 
     dtypes: dict[str, torch.dtype] = {}
@@ -277,7 +278,7 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_w
         del config.quantization_config  # build a plain model; QuantLinear replaces the targeted layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if replace_linears(model, layout, _scale_dtypes(files), cache_weight) == 0:
+    if replace_linears(model, layout, scale_dtypes(files), cache_weight) == 0:
         raise QuantkitError(f"quantization_config of {path} targets no Linear layer of {type(model).__name__}")
 
     state = _load_tensors(files, dtype)

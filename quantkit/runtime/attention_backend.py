@@ -14,6 +14,7 @@ so grouped-query attention needs no K/V repeat). The Triton backend uses the ``k
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -36,7 +37,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_blocks * block_size]: key t < context_len
 
 
-class AttentionBackend:
+class AttentionBackend(ABC):
     name = "base"
 
     def write_kv(
@@ -46,10 +47,11 @@ class AttentionBackend:
         k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
+    @abstractmethod
     def decode(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        raise NotImplementedError
+        """Decode attention (one query token per sequence) over the paged cache."""
 
     def forward(
         self,

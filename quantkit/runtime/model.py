@@ -20,12 +20,11 @@ from torch import nn
 
 from quantkit.checkpoint import SCALE, QuantizationLayout, parse_quantization_config
 from quantkit.errors import QuantkitError, UnsupportedArchitectureError
-from quantkit.quant_linear import read_checkpoint_config, shard_files
+from quantkit.quant_linear import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.runtime.attention_backend import AttentionMetadata
 from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 @dataclass(slots=True, frozen=True)
@@ -167,16 +166,6 @@ class CausalLM(nn.Module):
 # ----------------------------------------------------------------------------------------------- loading
 
 
-def _scale_dtypes(files: list[Path]) -> dict[str, torch.dtype]:
-    dtypes: dict[str, torch.dtype] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.endswith("." + SCALE):
-                    dtypes[key] = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype(), torch.bfloat16)
-    return dtypes
-
-
 def _apply_layout(model: CausalLM, layout: QuantizationLayout, scale_dtypes: Mapping[str, torch.dtype]) -> int:
     count = 0
     for name, module in model.named_modules():
@@ -220,7 +209,7 @@ def load_model(
         model = CausalLM(cfg)
     if raw.get("quantization_config"):
         layout = parse_quantization_config(raw["quantization_config"])
-        if _apply_layout(model, layout, _scale_dtypes(files)) == 0:
+        if _apply_layout(model, layout, scale_dtypes(files)) == 0:
             raise QuantkitError(f"quantization_config of {path} targets no Linear layer of the model")
 
     state = _load_state(files, dtype, device)

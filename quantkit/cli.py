@@ -156,8 +156,13 @@ def quantize(
         bool | None,
         typer.Option("--sym/--asym", help="Symmetric or asymmetric (default: sym; asym for AWQ, as in AutoAWQ)."),
     ] = None,
-    act_order: Annotated[bool, typer.Option(help="GPTQ: columns by descending Hessian diagonal.")] = False,
-    static_groups: Annotated[bool, typer.Option(help="With --act-order: groups fixed in column order.")] = False,
+    act_order: Annotated[
+        bool | None,
+        typer.Option(help="GPTQ: columns by descending Hessian diagonal (default: on for gptq and awq+gptq)."),
+    ] = None,
+    static_groups: Annotated[
+        bool, typer.Option(help="With --act-order: groups fixed in column order (no g_idx; default on).")
+    ] = True,
     mse_clip: Annotated[bool, typer.Option(help="Search a shrunken range per group (MSE clipping).")] = False,
     damp: Annotated[float, typer.Option(help="GPTQ damping, as a fraction of the mean Hessian diagonal.")] = 0.01,
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = 128,
@@ -188,6 +193,8 @@ def quantize(
 
     if sym is None:
         sym = not method.startswith("awq")  # AWQ defaults to asymmetric, as in AutoAWQ
+    if act_order is None:
+        act_order = method in ("gptq", "awq+gptq")  # measured on SmolLM2 W4 g64: 10% -> 51% of RTN's gap closed
     scheme = QuantScheme(
         bits=bits,
         group_size=group_size,

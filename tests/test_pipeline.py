@@ -232,3 +232,18 @@ def test_cli_default_symmetry_follows_the_method(tiny_model_dir, calib_file, tmp
     assert code == 0, err
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert groups["group_0"]["weights"]["symmetric"] is symmetric
+
+
+def test_cli_gptq_defaults_to_act_order_with_static_groups(tiny_model_dir, calib_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file)], capsys)
+    assert code == 0, err
+    weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
+    assert weights["weights"]["actorder"] == "weight"  # static groups: no g_idx, loadable by other engines
+    code, _, err = run_cli(
+        ["quantize", str(tiny_model_dir), "-o", str(tmp_path / "plain"), "--calib", str(calib_file), "--no-act-order"],
+        capsys,
+    )
+    assert code == 0, err
+    plain = json.loads((tmp_path / "plain" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert plain["group_0"]["weights"]["actorder"] is None

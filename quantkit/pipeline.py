@@ -27,6 +27,7 @@ from quantkit.config import CalibrationConfig, QuantizeConfig
 from quantkit.errors import QuantkitError
 from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
 from quantkit.grid import quantize_rtn
+from quantkit.memory import release_freed_memory
 from quantkit.progress import progress_bar
 from quantkit.scheme import QuantizedWeight, QuantScheme
 from quantkit.source_weights import SourceWeights, build_skeleton, config_json, load_module, release_module
@@ -75,8 +76,8 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
         raise QuantkitError(
             f"output directory '{output}' exists; pass --force to replace it once the new one is complete"
         )
-    tokenizer = load_tokenizer(source)
-    calibration = _calibration(config, tokenizer)
+    calibration = _calibration(config, load_tokenizer(source))
+    release_freed_memory()  # tokenization's temporaries
     num_layers = int(config_json(source)["num_hidden_layers"])
     assignment = _assignment(config, arch, num_layers)
     with SourceWeights(source) as weights:
@@ -189,6 +190,8 @@ def _run_blocks(
             )
             work.save_block(index, block_tensors(block, prefix, quantized, storage), hidden, records)
             release_module(block)
+            del quantized
+            release_freed_memory()
             bar.advance(task)
             if on_block_done is not None:
                 on_block_done(index)
@@ -208,7 +211,8 @@ def quantize_block(
     """Quantize one block in place (its linears end up holding their dequantized weights).
 
     Returns the quantized weights by relative name, the block's output on the calibration inputs (the next
-    block's input, computed with the quantized weights), and one record per quantized linear.
+    block's input, computed with the quantized weights), and one record per quantized linear. The output is
+    written over ``hidden`` (one activation buffer less); pass a clone to keep the input.
     """
     quantized: dict[str, QuantizedWeight] = {}
     records: list[dict] = []

@@ -24,6 +24,7 @@ from quantkit.candidates import parse_candidate, unit_storage_bits
 from quantkit.errors import QuantkitError
 from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
 from quantkit.measurement import CandidateCost, Measurement, UnitMeasurement, save_measurement
+from quantkit.memory import release_freed_memory
 from quantkit.metrics import token_kl
 from quantkit.progress import progress_bar
 from quantkit.source_weights import SourceWeights, build_skeleton, load_module, release_module
@@ -127,6 +128,7 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
                     kl.hidden = runner.run(block, kl.hidden)
                 else:
                     release_module(block)
+                release_freed_memory()
                 bar.advance(task)
     measurement = Measurement(
         model=config.model,

@@ -5,6 +5,10 @@ down_proj. Each stage's inputs are computed with every earlier stage already qua
 parts are computed once: the attention context (o_proj's input) and the post-attention residual stream are
 kept between stages, so attention runs once per block instead of once per stage.
 
+Memory: the block works in place in the input buffer. Once o_proj's stage is done, the input ``h`` is no
+longer needed, so the residual stream ``h2`` overwrites it, and the output then overwrites ``h2``; with the
+attention context (freed after the gate/up stage), at most two activation buffers exist at once.
+
 Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
 ``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in
 down_proj.
@@ -26,7 +30,7 @@ class StagedBlock:
         self.block = block
         self.arch = arch
         self.runner = runner
-        self.hidden = hidden  # [n, T, H] block input, storage dtype
+        self.hidden = hidden  # [n, T, H] block input, storage dtype; overwritten by h2, then by the output
         self.norm1 = get_module(block, arch.norms[0])
         self.norm2 = get_module(block, arch.norms[1])
         self.attn = get_module(block, arch.attn_path)
@@ -34,7 +38,7 @@ class StagedBlock:
         self.o_proj = get_module(block, arch.sequential_stages[1][0])
         self.down_proj = get_module(block, arch.sequential_stages[3][0])
         self._context: torch.Tensor | None = None  # o_proj inputs
-        self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h))
+        self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
 
     def _batches(self) -> Iterator[slice]:
         n, size = self.hidden.shape[0], self.runner.batch_size
@@ -54,12 +58,15 @@ class StagedBlock:
                 yield producer(rows)
 
     def output(self) -> torch.Tensor:
-        """The block output for every sample, with all stages as they are now (storage dtype)."""
+        """The block output for every sample, with all stages as they are now (storage dtype).
+
+        Written over the residual stream, in the buffer that held the block's input; call it once, last.
+        """
         assert self._residual is not None, "run the stages in order before asking for the output"
-        out = torch.empty_like(self.hidden)
+        out, self._residual = self._residual, None
         with torch.inference_mode():
             for rows in self._batches():
-                h2 = self._residual[rows].float()
+                h2 = out[rows].float()
                 out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
         return out
 
@@ -76,10 +83,11 @@ class StagedBlock:
 
     def _gate_up_input(self, rows: slice) -> torch.Tensor:
         assert self._context is not None, "stage 1 must run before stage 2"
-        if self._residual is None:
-            self._residual = torch.empty_like(self.hidden)
+        self._residual = self.hidden
         h2 = self.hidden[rows].float() + self.o_proj(self._context[rows].float())
         self._residual[rows] = h2.to(self._residual.dtype)
+        if rows.stop == self.hidden.shape[0]:
+            self._context = None  # o_proj's inputs are not needed once h2 is complete
         return self.norm2(h2)
 
     def _down_input(self, rows: slice) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """The resumable state of an interrupted quantization: finished blocks, the next block's input, fingerprints.
 
 Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block count, per-layer records),
-``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.safetensors`` (the
-input of the next block). Every file is written under a temporary name and renamed; ``state.json`` is
-updated last, so a crash at any point leaves a consistent state.
+``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.pt`` (the input of the
+next block, written by ``torch.save`` straight from the tensor's storage, with no in-memory copy). Every file
+is written under a temporary name and renamed; ``state.json`` is updated last, so a crash at any point leaves a
+consistent state.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
 
 STATE = "state.json"
-HIDDEN = "hidden.safetensors"
+HIDDEN = "hidden.pt"
 
 
 def partial_dir(output: Path) -> Path:
@@ -76,13 +77,13 @@ class WorkDir:
         assert index == self.finished, f"block {index} saved out of order (expected {self.finished})"
         contiguous = {k: v.contiguous() for k, v in tensors.items()}
         _atomic(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
-        _atomic(self.path / HIDDEN, lambda p: save_file({"hidden": hidden.contiguous()}, str(p)))
+        _atomic(self.path / HIDDEN, lambda p: torch.save(hidden.contiguous(), p))
         self.state["finished"] = index + 1
         self.state["records"].extend(records)
         self._write_state()
 
     def load_hidden(self) -> torch.Tensor:
-        return load_file(str(self.path / HIDDEN))["hidden"]
+        return torch.load(self.path / HIDDEN, weights_only=True)
 
     def remove(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

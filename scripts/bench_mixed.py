@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from rich.console import Console
@@ -59,7 +60,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         calib_kw = {"num_samples": args.samples, "seq_len": args.seq_len}
+        start = time.perf_counter()
         measurement = measure_sensitivity(SensitivityConfig(model=args.model, candidates=CANDIDATES, **calib_kw))
+        sensitivity_s = time.perf_counter() - start
         params = measurement.total_params
 
         def run(name: str, **quant_kw) -> dict:
@@ -123,8 +126,10 @@ def main() -> None:
     console.print(table)
     rho = spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
     console.print(f"Spearman(predicted error, real KL) over {len(rows)} plans: {rho:.3f}")
+    console.print(f"Sensitivity measurement (proxy, {len(CANDIDATES)} candidates): {sensitivity_s:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "uniform": uniform, "spearman": rho}, indent=2))
+        payload = {"rows": rows, "uniform": uniform, "spearman": rho, "sensitivity_seconds": sensitivity_s}
+        args.json.write_text(json.dumps(payload, indent=2))
 
 
 if __name__ == "__main__":

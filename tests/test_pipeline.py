@@ -40,19 +40,24 @@ def _config(model, calib, output, **kw):
     return QuantizeConfig(model=str(model), output=output, calib=calib, show_progress=False, batch_size=3, **kw)
 
 
-def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
+def _first_block_setup(rows: int, dtype: torch.dtype, seed: int):
+    """A tiny Llama, its block runner and the embedded input of its first block for ``rows`` random windows."""
     from helpers_tiny import tiny_llama
 
     model = tiny_llama()
     arch = arch_for_model_type("llama")
-    ids = torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 256, (rows, 16), generator=torch.Generator().manual_seed(seed))
     runner = BlockRunner.for_model(model, arch, 16, batch_size=2)
-    hidden = embed(model, arch, ids, torch.bfloat16)
+    return model, arch, runner, embed(model, arch, ids, dtype)
+
+
+def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
+    model, arch, runner, hidden = _first_block_setup(4, torch.bfloat16, seed=0)
     block = model.model.layers[0]
     schemes = {name: SCHEME for name in arch.linears}
     config = _config(tiny_model_dir, None, Path("unused"), method="gptq")
     quantized, out, records = quantize_block(
-        block, "model.layers.0", arch, runner, hidden, schemes, config, GPTQConfig(), torch.bfloat16
+        block, "model.layers.0", arch, runner, hidden.clone(), schemes, config, GPTQConfig(), torch.bfloat16
     )
     assert out.shape == hidden.shape and len(records) == 7 and all(r["loss"] > 0 for r in records)
     tensors = block_tensors(block, "model.layers.0", quantized, torch.bfloat16)
@@ -61,6 +66,22 @@ def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
         assert torch.equal(restored, block.get_submodule(name).weight.data)
     # The output the next block sees is the quantized block's output.
     assert torch.allclose(out.float(), runner.run(block, hidden).float(), atol=0.05)
+
+
+def test_staged_block_works_in_place_and_matches_a_plain_forward():
+    from quantkit.staged_block import StagedBlock
+
+    model, arch, runner, hidden = _first_block_setup(5, torch.float32, seed=1)
+    block = model.model.layers[0]
+    expected = runner.run(block, hidden)
+    buffer = hidden.clone()
+    staged = StagedBlock(block, arch, runner, buffer)
+    for stage in range(len(arch.sequential_stages)):
+        assert sum(x.shape[0] for x in staged.stage_inputs(stage)) == 5
+    out = staged.output()
+    assert out.data_ptr() == buffer.data_ptr()  # no second activation buffer for the output
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert staged._context is None  # o_proj inputs freed once the residual stream is complete
 
 
 def test_gptq_beats_rtn_and_the_checkpoint_loads(tiny_model_dir, calib_file, tmp_path):

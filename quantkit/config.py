@@ -84,7 +84,7 @@ class QuantizeConfig:
     plan: Path | None = None  # a mixed-precision plan (quantkit plan) instead of one scheme
     resume: bool = False
     force: bool = False
-    batch_size: int = 8
+    batch_size: int = 4
     max_shard_bytes: int = 1 << 30
     awq: AWQConfig = field(default_factory=lambda: AWQConfig(search_samples=8, objective="linear"))
     show_progress: bool = True

@@ -29,7 +29,7 @@ from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
 from quantkit.grid import quantize_rtn
 from quantkit.memory import release_freed_memory
 from quantkit.progress import progress_bar
-from quantkit.scheme import QuantizedWeight, QuantScheme
+from quantkit.scheme import QuantizedWeight, QuantScheme, with_solver_options
 from quantkit.source_weights import SourceWeights, build_skeleton, config_json, load_module, release_module
 from quantkit.staged_block import StagedBlock
 from quantkit.stats import HessianStat
@@ -140,7 +140,10 @@ def _assignment(config: QuantizeConfig, arch: ArchSpec, num_layers: int) -> Sche
     if config.plan is not None:
         from quantkit.plan_apply import assignment_from_plan
 
-        return assignment_from_plan(Path(config.plan), arch, num_layers)
+        planned = assignment_from_plan(Path(config.plan), arch, num_layers)
+        return SchemeAssignment(
+            {name: None if s is None else with_solver_options(s, config.scheme) for name, s in planned.schemes.items()}
+        )
     return uniform_assignment(arch, num_layers, config.scheme, config.ignore)
 
 

@@ -27,9 +27,9 @@ quantization:
     bits: 4                    # 2 | 3 | 4 | 8
     group_size: 128            # 32, 64, 128 ... or -1 for per-channel
     symmetric: true            # omit: symmetric, asymmetric for AWQ
-    act_order: false           # GPTQ: columns by descending Hessian diagonal
-    static_groups: false
-    mse_clip: false
+    act_order: true            # GPTQ: columns by descending Hessian diagonal (omit: on for gptq, awq+gptq)
+    static_groups: true        # with act_order: groups in column order, no g_idx (omit: on)
+    mse_clip: true             # Hessian-weighted range shrinking (omit: on for gptq)
   damp: 0.01                   # GPTQ damping (fraction of the mean Hessian diagonal)
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...

@@ -229,8 +229,15 @@ def _mixed_stages(run: _Run, model_id: str, calib_path: Path) -> Path:
     mixed = run.recipe.quantization.mixed
     assert mixed is not None
     with run.stage("sensitivity") as st:
+        solver = run.recipe.quantization.quant_scheme()
         st.key = _key(
-            model=model_id, calibration=run.hashes["calibration"], candidates=mixed.candidates, mode=mixed.mode
+            model=model_id,
+            calibration=run.hashes["calibration"],
+            candidates=mixed.candidates,
+            mode=mixed.mode,
+            damp=run.recipe.quantization.damp,
+            act_order=solver.act_order,
+            mse_clip=solver.mse_clip,
         )
         path = run.root / "measurement" / f"{st.key}.json"
         st.cached = path.is_file()
@@ -244,6 +251,8 @@ def _mixed_stages(run: _Run, model_id: str, calib_path: Path) -> Path:
                 candidates=list(mixed.candidates),
                 mode=mixed.mode,
                 damp=run.recipe.quantization.damp,
+                act_order=solver.act_order,
+                mse_clip=solver.mse_clip,
                 show_progress=run.show_progress,
             )
             measurement = measure_sensitivity(config)

@@ -23,7 +23,7 @@ import yaml
 
 from quantkit.config import METHODS, SELECTIONS, STRATEGIES
 from quantkit.errors import QuantkitError
-from quantkit.scheme import SUPPORTED_BITS, QuantScheme
+from quantkit.scheme import SUPPORTED_BITS, QuantScheme, default_solver_options
 
 SENSITIVITY_MODES = ("proxy", "kl")
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "fp16")
@@ -56,9 +56,9 @@ class SchemeSection:
     bits: int = field(default=4, metadata={"choices": SUPPORTED_BITS})
     group_size: int = field(default=128, metadata={"min": -1})
     symmetric: bool | None = None  # None: symmetric, except asymmetric for AWQ (as in AutoAWQ)
-    act_order: bool = False
-    static_groups: bool = False
-    mse_clip: bool = False
+    act_order: bool | None = None  # None: the method's default (on for gptq and awq+gptq)
+    static_groups: bool | None = None  # None: on (no g_idx)
+    mse_clip: bool | None = None  # None: on for gptq (Hessian-weighted)
 
 
 @dataclass(slots=True)
@@ -82,7 +82,15 @@ class QuantizationSection:
     def quant_scheme(self) -> QuantScheme:
         s = self.scheme
         symmetric = s.symmetric if s.symmetric is not None else not self.method.startswith("awq")
-        return QuantScheme(s.bits, s.group_size, symmetric, s.act_order, s.static_groups, s.mse_clip)
+        defaults = default_solver_options(self.method)
+        return QuantScheme(
+            s.bits,
+            s.group_size,
+            symmetric,
+            defaults["act_order"] if s.act_order is None else s.act_order,
+            defaults["static_groups"] if s.static_groups is None else s.static_groups,
+            defaults["mse_clip"] if s.mse_clip is None else s.mse_clip,
+        )
 
 
 @dataclass(slots=True)

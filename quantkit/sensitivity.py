@@ -27,6 +27,7 @@ from quantkit.measurement import CandidateCost, Measurement, UnitMeasurement, sa
 from quantkit.memory import release_freed_memory
 from quantkit.metrics import token_kl
 from quantkit.progress import progress_bar
+from quantkit.scheme import QuantScheme, with_solver_options
 from quantkit.source_weights import SourceWeights, build_skeleton, load_module, release_module
 from quantkit.staged_block import StagedBlock
 from quantkit.stats import HessianStat
@@ -47,8 +48,10 @@ class SensitivityConfig:
     mode: str = "proxy"
     damp: float = 0.01
     block_size: int = 128
-    batch_size: int = 8
+    batch_size: int = 4
     kl_windows: int = 2
+    act_order: bool = True  # solve candidates as `quantize` will (static groups: storage cost unchanged)
+    mse_clip: bool = True
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -96,7 +99,9 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
         config.seed,
         config.show_progress,
     )
+    options = QuantScheme(act_order=config.act_order, static_groups=True, mse_clip=config.mse_clip)
     schemes = {name: parse_candidate(name) for name in config.candidates}
+    solved_as = {name: None if s is None else with_solver_options(s, options) for name, s in schemes.items()}
     gptq = GPTQConfig(damp=config.damp, block_size=config.block_size)
     units: list[UnitMeasurement] = []
     with SourceWeights(source) as weights:
@@ -121,7 +126,9 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
                     for x in staged.stage_inputs(stage_index):
                         hessian.update(x)
                     units.append(
-                        _measure_unit(block, prefix, stage, hessian.hessian(), schemes, gptq, storage, kl, index, arch)
+                        _measure_unit(
+                            block, prefix, stage, hessian.hessian(), solved_as, gptq, storage, kl, index, arch
+                        )
                     )
                 hidden = staged.output()
                 if kl is not None:
@@ -140,6 +147,8 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
             "calibration_shape": list(calibration.input_ids.shape),
             "solver": "gptq",
             "damp": config.damp,
+            "act_order": config.act_order,
+            "mse_clip": config.mse_clip,
             "kl_windows": config.kl_windows if config.mode == "kl" else None,
             "seconds": round(time.perf_counter() - start, 1),
         },

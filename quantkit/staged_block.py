@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from quantkit.architectures import ArchSpec
-from quantkit.block_io import BlockRunner, get_module
+from quantkit.block_io import BlockRunner, get_module, set_module
 
 
 class StagedBlock:
@@ -36,7 +36,6 @@ class StagedBlock:
         self.attn = get_module(block, arch.attn_path)
         self.mlp = get_module(block, arch.mlp_path)
         self.o_proj = get_module(block, arch.sequential_stages[1][0])
-        self.down_proj = get_module(block, arch.sequential_stages[3][0])
         self._context: torch.Tensor | None = None  # o_proj inputs
         self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
 
@@ -77,7 +76,8 @@ class StagedBlock:
         if self._context is None:
             n, t, _ = self.hidden.shape
             self._context = torch.empty(n, t, self.o_proj.in_features, dtype=self.hidden.dtype)
-        captured = _capture_input(self.o_proj, lambda: self._attention(self._qkv_input(rows)))
+        o_path = self.arch.sequential_stages[1][0]
+        captured = self._capture_input(o_path, lambda: self._attention(self._qkv_input(rows)))
         self._context[rows] = captured.to(self._context.dtype)
         return captured
 
@@ -93,7 +93,22 @@ class StagedBlock:
     def _down_input(self, rows: slice) -> torch.Tensor:
         assert self._residual is not None, "stage 2 must run before stage 3"
         x = self.norm2(self._residual[rows].float())
-        return _capture_input(self.down_proj, lambda: self.mlp(x))
+        return self._capture_input(self.arch.sequential_stages[3][0], lambda: self.mlp(x))
+
+    def _capture_input(self, path: str, run: Callable[[], object]) -> torch.Tensor:
+        """Run ``run()`` with the linear at ``path`` swapped for an :class:`_InputRecorder`; its input.
+
+        The linear's own product is never computed: its output is not needed while its inputs are collected.
+        """
+        linear = get_module(self.block, path)
+        recorder = _InputRecorder()
+        set_module(self.block, path, recorder)
+        try:
+            run()
+        finally:
+            set_module(self.block, path, linear)
+        assert len(recorder.seen) == 1, f"expected one call of {path}, saw {len(recorder.seen)}"
+        return recorder.seen[0]
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
         cos, sin = self.runner.position_embeddings
@@ -102,13 +117,13 @@ class StagedBlock:
         return out[0] if isinstance(out, tuple) else out
 
 
-def _capture_input(module: nn.Module, run: Callable[[], object]) -> torch.Tensor:
-    """Run ``run()`` and return the input that ``module`` received (a forward pre-hook, no exceptions)."""
-    seen: list[torch.Tensor] = []
-    handle = module.register_forward_pre_hook(lambda _m, args: seen.append(args[0]))
-    try:
-        run()
-    finally:
-        handle.remove()
-    assert len(seen) == 1, f"expected one call of {type(module).__name__}, saw {len(seen)}"
-    return seen[0]
+class _InputRecorder(nn.Module):
+    """Stands in for a linear whose output is discarded: records the input and returns it unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x)
+        return x

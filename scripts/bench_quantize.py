@@ -32,17 +32,24 @@ class Case:
     group: int
     sym: bool
     act_order: bool = False
+    mse_clip: bool = False
+
+    @property
+    def storage(self) -> str:
+        """The stored layout (what RTN is compared at), without solver options."""
+        group = "ch" if self.group == -1 else f"g{self.group}"
+        return f"w{self.bits}-{group}-{'sym' if self.sym else 'asym'}"
 
     @property
     def scheme(self) -> str:
-        group = "ch" if self.group == -1 else f"g{self.group}"
-        return f"w{self.bits}-{group}-{'sym' if self.sym else 'asym'}" + ("-actorder" if self.act_order else "")
+        return self.storage + ("-actorder" if self.act_order else "") + ("-mse" if self.mse_clip else "")
 
     def args(self) -> list[str]:
+        """Every solver option spelled out, so the CLI's method defaults never change what a row means."""
         out = ["--method", self.method, "--bits", str(self.bits), "--group-size", str(self.group)]
         out.append("--sym" if self.sym else "--asym")
-        if self.act_order:
-            out += ["--act-order", "--static-groups"]
+        out += ["--act-order", "--static-groups"] if self.act_order else ["--no-act-order"]
+        out.append("--mse-clip" if self.mse_clip else "--no-mse-clip")
         return out
 
 
@@ -51,9 +58,12 @@ def matrix(methods: list[str]) -> list[Case]:
     for group in (32, 64, 128):
         for sym in (True, False):
             cases += [Case(m, 4, group, sym) for m in methods]
-            if "gptq" in methods:
+            if "gptq" in methods:  # the GPTQ default (act-order, static groups, MSE clip) and act-order alone
                 cases.append(Case("gptq", 4, group, sym, act_order=True))
+                cases.append(Case("gptq", 4, group, sym, act_order=True, mse_clip=True))
     cases += [Case(m, 8, -1, True) for m in methods]
+    if "gptq" in methods:
+        cases.append(Case("gptq", 8, -1, True, act_order=True, mse_clip=True))
     return cases
 
 
@@ -95,6 +105,7 @@ def main() -> None:
                 {
                     "method": case.method,
                     "scheme": case.scheme,
+                    "storage": case.storage,
                     "seconds": q["seconds"],
                     "peak_rss_mb": q["peak_rss_mb"],
                     "size_mb": q["checkpoint_bytes"] / 1e6,
@@ -103,7 +114,7 @@ def main() -> None:
                     "top1": e.top1_agreement,
                 }
             )
-    rtn = {r["scheme"].removesuffix("-actorder"): r["perplexity"] for r in rows if r["method"] == "rtn"}
+    rtn = {r["storage"]: r["perplexity"] for r in rows if r["method"] == "rtn" and r["scheme"] == r["storage"]}
     table = Table(
         title=f"Quantization on {args.model}: {args.samples} x {args.seq_len} calibration windows, "
         f"{base.tokens} held-out tokens (baseline perplexity {base.perplexity:.3f})"
@@ -123,7 +134,7 @@ def main() -> None:
         table.add_column(col, justify="right")
     table.add_row("original", "bf16", "-", "-", "-", f"{base.perplexity:.3f}", "0", "0", "1", "-")
     for r in rows:
-        gap = rtn.get(r["scheme"].removesuffix("-actorder"))
+        gap = rtn.get(r["storage"])
         closed = "-"
         if r["method"] != "rtn" and gap is not None and gap > base.perplexity:
             closed = f"{(gap - r['perplexity']) / (gap - base.perplexity):.0%}"

@@ -73,11 +73,21 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
 
     model, arch, runner, hidden = _first_block_setup(5, torch.float32, seed=1)
     block = model.model.layers[0]
+    linears = {name: block.get_submodule(name) for name in arch.linears}
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in ("self_attn.o_proj", "mlp.down_proj")}
+    hooks = [linears[n].register_forward_pre_hook(lambda _m, a, n=n: seen[n].append(a[0])) for n in seen]
     expected = runner.run(block, hidden)
+    for hook in hooks:
+        hook.remove()
     buffer = hidden.clone()
     staged = StagedBlock(block, arch, runner, buffer)
     for stage in range(len(arch.sequential_stages)):
-        assert sum(x.shape[0] for x in staged.stage_inputs(stage)) == 5
+        inputs = list(staged.stage_inputs(stage))
+        assert sum(x.shape[0] for x in inputs) == 5
+        name = {1: "self_attn.o_proj", 3: "mlp.down_proj"}.get(stage)
+        if name is not None:  # captured without running the linear, equal to what a plain forward feeds it
+            assert torch.allclose(torch.cat(inputs), torch.cat(seen[name]), atol=1e-5)
+    assert all(block.get_submodule(n) is linear for n, linear in linears.items())  # recorders swapped back
     out = staged.output()
     assert out.data_ptr() == buffer.data_ptr()  # no second activation buffer for the output
     assert torch.allclose(out, expected, atol=1e-5)
@@ -261,10 +271,26 @@ def test_cli_gptq_defaults_to_act_order_with_static_groups(tiny_model_dir, calib
     assert code == 0, err
     weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert weights["weights"]["actorder"] == "weight"  # static groups: no g_idx, loadable by other engines
+    assert weights["weights"]["observer"] == "mse"  # Hessian-weighted MSE clipping is on for gptq
+    plain_args = ["--no-act-order", "--no-mse-clip"]
     code, _, err = run_cli(
-        ["quantize", str(tiny_model_dir), "-o", str(tmp_path / "plain"), "--calib", str(calib_file), "--no-act-order"],
+        ["quantize", str(tiny_model_dir), "-o", str(tmp_path / "plain"), "--calib", str(calib_file), *plain_args],
         capsys,
     )
     assert code == 0, err
     plain = json.loads((tmp_path / "plain" / "config.json").read_text())["quantization_config"]["config_groups"]
     assert plain["group_0"]["weights"]["actorder"] is None
+    assert plain["group_0"]["weights"]["observer"] == "minmax"
+
+
+def test_solver_defaults_per_method_and_plans_take_the_run_options():
+    from quantkit.scheme import default_solver_options, with_solver_options
+
+    assert default_solver_options("gptq") == {"act_order": True, "static_groups": True, "mse_clip": True}
+    assert default_solver_options("awq+gptq")["act_order"] and not default_solver_options("awq+gptq")["mse_clip"]
+    assert not any(default_solver_options("rtn")[k] for k in ("act_order", "mse_clip"))
+    planned = QuantScheme(bits=8, group_size=-1)
+    solved = with_solver_options(planned, QuantScheme(act_order=True, static_groups=True, mse_clip=True))
+    assert (solved.bits, solved.group_size, solved.act_order, solved.mse_clip) == (8, -1, True, True)
+    with pytest.raises(QuantkitError, match="static-groups"):  # a g_idx the plan's budget did not count
+        with_solver_options(planned, QuantScheme(act_order=True, static_groups=False))

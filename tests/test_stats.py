@@ -31,6 +31,18 @@ def test_hessian_merge_of_halves_equals_concatenation(dtype: torch.dtype) -> Non
     assert torch.allclose(whole.hessian().double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [255, 256, 577, 1000])
+def test_upper_triangle_gram_equals_full_product_and_is_symmetric(k: int) -> None:
+    x = _inputs(rows=300, k=k, seed=k)
+    h = HessianStat.zeros(k, torch.float64)
+    h.update(x[:100])
+    h.update(x[100:])  # accumulates into a non-zero matrix
+    expected = x.double().T @ x.double()
+    assert torch.allclose(h.xtx, expected, rtol=1e-12, atol=1e-9)
+    if k >= 256:  # the strip path mirrors its upper triangle: exactly symmetric
+        assert torch.equal(h.xtx, h.xtx.T)
+
+
 def test_act_merge_of_halves_equals_concatenation() -> None:
     x = _inputs()
     whole, first, second = ActStat.zeros(24), ActStat.zeros(24), ActStat.zeros(24)

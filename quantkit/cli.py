@@ -253,10 +253,13 @@ def sensitivity(
     candidates: Annotated[
         str, typer.Option(help="Comma list of candidates, e.g. int4-g128,int4-g64,int4-g32,int8,fp16.")
     ] = "int4-g128,int4-g64,int4-g32,int8,fp16",
-    mode: Annotated[str, typer.Option(help="proxy (Hessian-weighted error) or kl (final-logit KL, slower).")] = "proxy",
+    mode: Annotated[
+        str,
+        typer.Option(help="proxy (Hessian-weighted error), kl (final-logit KL, slow) or hybrid (proxy scaled to KL)."),
+    ] = "proxy",
     num_samples: Annotated[int, typer.Option(help="Without --calib: windows from the shipped corpus.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = 512,
-    kl_windows: Annotated[int, typer.Option(help="kl mode: calibration windows the KL is measured on.")] = 2,
+    kl_windows: Annotated[int, typer.Option(help="kl/hybrid modes: calibration windows the KL is measured on.")] = 2,
     act_order: Annotated[bool, typer.Option(help="Solve candidates with act-order (static groups).")] = True,
     mse_clip: Annotated[bool, typer.Option(help="Solve candidates with Hessian-weighted MSE clipping.")] = True,
 ) -> None:

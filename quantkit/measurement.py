@@ -2,7 +2,8 @@
 
 A *unit* is what gets one scheme: a fused group (q/k/v, gate/up) or a single Linear. ``options`` maps a
 candidate name (see :mod:`quantkit.candidates`) to its measured error (lower is better; "proxy": weighted
-reconstruction error, "kl": KL divergence of the model output) and exact storage bits (as on disk).
+reconstruction error, "kl": KL divergence of the model output, "hybrid": proxy rescaled per unit to a measured
+KL) and exact storage bits (as on disk).
 
 File: JSON ``{"format": "quantkit-measurement", "version": 1, "model", "mode", "candidates", "units",
 "metadata"}``, written to a temp name and renamed into place. :func:`load_measurement` validates everything
@@ -23,7 +24,7 @@ from quantkit.errors import QuantkitError
 
 FORMAT = "quantkit-measurement"
 VERSION = 1
-MODES = ("proxy", "kl")
+MODES = ("proxy", "kl", "hybrid")
 
 
 @dataclass(slots=True)
@@ -43,7 +44,7 @@ class UnitMeasurement:
 @dataclass(slots=True)
 class Measurement:
     model: str
-    mode: str  # "proxy" | "kl"
+    mode: str  # "proxy" | "kl" | "hybrid" (proxy rescaled per unit to a measured KL)
     candidates: list[str]
     units: list[UnitMeasurement]
     metadata: dict[str, Any] = field(default_factory=dict)

@@ -37,7 +37,7 @@ quantization:
   #   target_bits: 4.5         # or max_size_mb: 60
   #   candidates: [int4-g128, int4-g64, int4-g32, int8, fp16]
   #   pins: {'down_proj$': int8}
-  #   mode: proxy              # proxy | kl
+  #   mode: proxy              # proxy (fast) | hybrid (proxy scaled to KL per unit) | kl (slow)
   # ... or an existing plan from `quantkit plan`:
   # plan: plan.yaml
 

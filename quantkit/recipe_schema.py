@@ -23,9 +23,9 @@ import yaml
 
 from quantkit.config import METHODS, SELECTIONS, STRATEGIES
 from quantkit.errors import QuantkitError
+from quantkit.measurement import MODES as SENSITIVITY_MODES
 from quantkit.scheme import SUPPORTED_BITS, QuantScheme, default_solver_options
 
-SENSITIVITY_MODES = ("proxy", "kl")
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "fp16")
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 

@@ -5,7 +5,10 @@ model's (each unit is measured alone). Modes:
 - ``proxy``: the Hessian-weighted output error tr(dW H dW^T) summed over the unit's linears (GPTQ's own
   objective, from statistics the pass collects anyway);
 - ``kl``: mean KL divergence of the final next-token distribution from the float model's when only that
-  unit is quantized, on a few calibration windows (slower; the whole float model is held in memory).
+  unit is quantized, on a few calibration windows (slower; the whole float model is held in memory);
+- ``hybrid``: the proxy errors of each unit, rescaled so that its lowest-bit candidate's error equals that
+  candidate's measured KL. The proxy ranks a unit's candidates well (same Hessian) but is not comparable
+  across layers (activation scales and downstream gain differ); one KL forward per unit makes it so.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from quantkit.block_io import BlockRunner, embed, get_module
 from quantkit.candidates import parse_candidate, unit_storage_bits
 from quantkit.errors import QuantkitError
 from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
-from quantkit.measurement import CandidateCost, Measurement, UnitMeasurement, save_measurement
+from quantkit.measurement import MODES, CandidateCost, Measurement, UnitMeasurement, save_measurement
 from quantkit.memory import release_freed_memory
 from quantkit.metrics import token_kl
 from quantkit.progress import progress_bar
@@ -32,7 +35,6 @@ from quantkit.source_weights import SourceWeights, build_skeleton, load_module, 
 from quantkit.staged_block import StagedBlock
 from quantkit.stats import HessianStat
 
-MODES = ("proxy", "kl")
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "fp16")
 
 
@@ -106,7 +108,7 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
     units: list[UnitMeasurement] = []
     with SourceWeights(source) as weights:
         storage = weights.storage_dtype()
-        if config.mode == "kl":
+        if config.mode != "proxy":
             model = load_model(source)
             kl = _kl_state(model, arch, calibration.input_ids[: config.kl_windows])
         else:
@@ -127,7 +129,17 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
                         hessian.update(x)
                     units.append(
                         _measure_unit(
-                            block, prefix, stage, hessian.hessian(), solved_as, gptq, storage, kl, index, arch
+                            block,
+                            prefix,
+                            stage,
+                            hessian.hessian(),
+                            solved_as,
+                            gptq,
+                            storage,
+                            kl,
+                            index,
+                            arch,
+                            config.mode,
                         )
                     )
                 hidden = staged.output()
@@ -149,7 +161,7 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
             "damp": config.damp,
             "act_order": config.act_order,
             "mse_clip": config.mse_clip,
-            "kl_windows": config.kl_windows if config.mode == "kl" else None,
+            "kl_windows": config.kl_windows if config.mode != "proxy" else None,
             "seconds": round(time.perf_counter() - start, 1),
         },
     )
@@ -185,26 +197,34 @@ def _measure_unit(
     kl: _KLState | None,
     index: int,
     arch: ArchSpec,
+    mode: str,
 ) -> UnitMeasurement:
     modules = [get_module(block, name) for name in linears]
     shapes = [(m.out_features, m.in_features) for m in modules]
-    options: dict[str, CandidateCost] = {}
-    for candidate, scheme in schemes.items():
-        bits = unit_storage_bits(scheme, shapes, scale_bits=storage.itemsize * 8)  # scales use the storage dtype
-        if scheme is None:
-            options[candidate] = CandidateCost(error=0.0, bits=bits)
-            continue
+    options = {
+        name: CandidateCost(error=0.0, bits=unit_storage_bits(scheme, shapes, scale_bits=storage.itemsize * 8))
+        for name, scheme in schemes.items()  # scales are stored in the storage dtype
+    }
+    quantized = [name for name, scheme in schemes.items() if scheme is not None]
+    anchor = min(quantized, key=lambda name: options[name].bits) if mode == "hybrid" and quantized else None
+    kl_scale = 1.0
+    for candidate in quantized:
         solved = [
             gptq_solve(
-                m.weight.data, hessian, scheme, gptq, scale_dtype=storage, name=f"{prefix}.{n}"
+                m.weight.data, hessian, schemes[candidate], gptq, scale_dtype=storage, name=f"{prefix}.{n}"
             ).weight.dequantize()
             for m, n in zip(modules, linears, strict=True)
         ]
-        if kl is None:
-            error = sum(hessian_weighted_error(m.weight.data, w, hessian) for m, w in zip(modules, solved, strict=True))
-        else:
-            error = _kl_with(modules, solved, kl, index, arch)
-        options[candidate] = CandidateCost(error=float(error), bits=bits)
+        if mode == "kl":
+            options[candidate].error = _kl_with(modules, solved, kl, index, arch)
+            continue
+        pairs = zip(modules, solved, strict=True)
+        proxy = float(sum(hessian_weighted_error(m.weight.data, w, hessian) for m, w in pairs))
+        options[candidate].error = proxy
+        if candidate == anchor:
+            kl_scale = _kl_with(modules, solved, kl, index, arch) / proxy if proxy > 0 else 0.0
+    for candidate in quantized:
+        options[candidate].error *= kl_scale
     params = sum(n * k for n, k in shapes)
     return UnitMeasurement(
         name=unit_name(prefix, linears), modules=[f"{prefix}.{n}" for n in linears], params=params, options=options

@@ -4,7 +4,10 @@ One sensitivity measurement, then for each budget: the planned checkpoint's perp
 original, next to the best uniform scheme whose size fits that budget (lowest KL among those measured).
 Also reports the Spearman rank correlation between the plans' predicted error and their real KL.
 
-    python scripts/bench_mixed.py --budgets 3.5,4.25,4.5,5,6,8 --samples 128 --eval-windows 40
+    python scripts/bench_mixed.py --budgets 3.5,4.25,4.5,5,6,8 --samples 128 --eval-windows 40 --mode hybrid
+
+Uniform schemes, plans and the sensitivity measurement are all solved with the method's default solver options
+(for gptq: act-order with static groups and Hessian-weighted MSE clipping), as `quantkit quantize` does.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ from rich.table import Table
 from quantkit.candidates import parse_candidate
 from quantkit.config import EvalConfig, QuantizeConfig
 from quantkit.evaluate import evaluate
+from quantkit.measurement import load_measurement
 from quantkit.pipeline import quantize_model
 from quantkit.plan_io import save_plan
 from quantkit.planner import plan
-from quantkit.sensitivity import SensitivityConfig, measure_sensitivity
+from quantkit.scheme import QuantScheme, default_solver_options, with_solver_options
+from quantkit.sensitivity import MODES, SensitivityConfig, measure_sensitivity
 
 CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
 
@@ -45,6 +50,14 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def _params_by_candidate(chosen) -> dict[str, float]:
+    """Share of the planned weights each candidate got."""
+    share: dict[str, float] = {}
+    for unit in chosen.units:
+        share[unit.candidate] = share.get(unit.candidate, 0.0) + unit.params / chosen.total_params
+    return {k: round(v, 4) for k, v in sorted(share.items())}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
@@ -53,20 +66,41 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=40)
+    parser.add_argument("--mode", choices=MODES, default="hybrid", help="sensitivity mode")
+    parser.add_argument("--candidates", default=",".join(CANDIDATES))
+    parser.add_argument("--uniform", default=None, help="uniform schemes to compare (default: every candidate)")
+    parser.add_argument("--measurement", type=Path, default=None, help="reuse a saved measurement JSON")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     console = Console()
     budgets = [float(b) for b in args.budgets.split(",")]
+    candidates = args.candidates.split(",")
+    options = QuantScheme(**default_solver_options(args.method))
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         calib_kw = {"num_samples": args.samples, "seq_len": args.seq_len}
         start = time.perf_counter()
-        measurement = measure_sensitivity(SensitivityConfig(model=args.model, candidates=CANDIDATES, **calib_kw))
-        sensitivity_s = time.perf_counter() - start
+        if args.measurement is not None:
+            measurement = load_measurement(args.measurement)
+            candidates = measurement.candidates
+        else:
+            measurement = measure_sensitivity(
+                SensitivityConfig(
+                    model=args.model,
+                    candidates=candidates,
+                    mode=args.mode,
+                    act_order=options.act_order,
+                    mse_clip=options.mse_clip,
+                    **calib_kw,
+                )
+            )
+        sensitivity_s = measurement.metadata.get("seconds", time.perf_counter() - start)
+        uniform_names = args.uniform.split(",") if args.uniform else [c for c in candidates if c != "fp16"]
         params = measurement.total_params
 
         def run(name: str, **quant_kw) -> dict:
             out = root / name
+            quant_kw.setdefault("scheme", options)  # a plan's schemes take the run's solver options
             quantize_model(QuantizeConfig(model=args.model, output=out, method=args.method, **calib_kw, **quant_kw))
             e = evaluate(
                 EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
@@ -74,9 +108,10 @@ def main() -> None:
             return {"perplexity": e.perplexity, "kl": e.kl_mean, "top1": e.top1_agreement}
 
         uniform = {}
-        for name in CANDIDATES[:-1]:
+        for name in uniform_names:
             bpw = sum(u.options[name].bits for u in measurement.units) / params
-            uniform[name] = {"bpw": bpw, **run(f"uniform-{name}", scheme=parse_candidate(name))}
+            scheme = with_solver_options(parse_candidate(name), options)
+            uniform[name] = {"bpw": bpw, **run(f"uniform-{name}", scheme=scheme)}
         rows = []
         for budget in budgets:
             chosen = plan(measurement, target_bits=budget)
@@ -89,6 +124,7 @@ def main() -> None:
                     "budget": budget,
                     "plan_bpw": chosen.bits_per_weight,
                     "predicted": chosen.predicted_error,
+                    "params_by_candidate": _params_by_candidate(chosen),
                     **result,
                     "uniform": best[0] if best else None,
                     "uniform_result": best[1] if best else None,
@@ -126,9 +162,15 @@ def main() -> None:
     console.print(table)
     rho = spearman([r["predicted"] for r in rows], [r["kl"] for r in rows])
     console.print(f"Spearman(predicted error, real KL) over {len(rows)} plans: {rho:.3f}")
-    console.print(f"Sensitivity measurement (proxy, {len(CANDIDATES)} candidates): {sensitivity_s:.0f} s")
+    console.print(f"Sensitivity measurement ({measurement.mode}, {len(candidates)} candidates): {sensitivity_s:.0f} s")
     if args.json:
-        payload = {"rows": rows, "uniform": uniform, "spearman": rho, "sensitivity_seconds": sensitivity_s}
+        payload = {
+            "mode": measurement.mode,
+            "rows": rows,
+            "uniform": uniform,
+            "spearman": rho,
+            "sensitivity_seconds": sensitivity_s,
+        }
         args.json.write_text(json.dumps(payload, indent=2))
 
 

@@ -136,7 +136,7 @@ def test_measurement_round_trip_and_validation(tmp_path: Path) -> None:
         measurement_from_dict(data)
     data = json.loads(path.read_text())
     data["mode"] = "mse"
-    with pytest.raises(QuantkitError, match=r"mode is 'mse'; expected one of \['proxy', 'kl'\]"):
+    with pytest.raises(QuantkitError, match=r"mode is 'mse'; expected one of \['proxy', 'kl', 'hybrid'\]"):
         measurement_from_dict(data)
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(QuantkitError, match="not valid JSON"):

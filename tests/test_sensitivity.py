@@ -61,6 +61,24 @@ def test_kl_mode_measures_output_divergence(tiny_model_dir, calib):
     assert total["int8"] < total["int4-g128"]
 
 
+def test_hybrid_mode_rescales_proxy_to_the_anchor_kl(tiny_model_dir, calib):
+    def run(mode: str):
+        config = SensitivityConfig(
+            model=str(tiny_model_dir), calib=calib, mode=mode, candidates=["int4-g128", "int8", "fp16"]
+        )
+        config.show_progress = False
+        return measure_sensitivity(config)
+
+    kl, proxy, hybrid = run("kl"), run("proxy"), run("hybrid")
+    assert hybrid.mode == "hybrid" and hybrid.metadata["kl_windows"] == 2
+    for k, p, h in zip(kl.units, proxy.units, hybrid.units, strict=True):
+        # the lowest-bit candidate carries its measured KL; the others keep the proxy's ratio to it
+        assert h.options["int4-g128"].error == pytest.approx(k.options["int4-g128"].error, rel=1e-5, abs=1e-12)
+        ratio = p.options["int8"].error / p.options["int4-g128"].error
+        assert h.options["int8"].error == pytest.approx(ratio * h.options["int4-g128"].error, rel=1e-5, abs=1e-12)
+        assert h.options["fp16"].error == 0.0
+
+
 def test_plan_is_met_exactly_on_disk(tiny_model_dir, calib, proxy, tmp_path, capsys):
     plan_file = tmp_path / "plan.yaml"
     code, _, err = run_cli(["plan", str(proxy), "--target-bits", "6", "-o", str(plan_file)], capsys)

@@ -24,12 +24,12 @@ from rich.table import Table
 from quantkit.candidates import parse_candidate
 from quantkit.config import EvalConfig, QuantizeConfig
 from quantkit.evaluate import evaluate
-from quantkit.measurement import load_measurement
+from quantkit.measurement import MODES, load_measurement
 from quantkit.pipeline import quantize_model
 from quantkit.plan_io import save_plan
 from quantkit.planner import plan
 from quantkit.scheme import QuantScheme, default_solver_options, with_solver_options
-from quantkit.sensitivity import MODES, SensitivityConfig, measure_sensitivity
+from quantkit.sensitivity import SensitivityConfig, measure_sensitivity
 
 CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
 

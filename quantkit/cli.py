@@ -170,7 +170,8 @@ def quantize(
     damp: Annotated[float, typer.Option(help="GPTQ damping, as a fraction of the mean Hessian diagonal.")] = 0.01,
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = 128,
     calib: Annotated[
-        Path | None, typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus).")
+        Path | None,
+        typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
     ] = None,
     num_samples: Annotated[int, typer.Option(help="Without --calib: windows drawn from the shipped corpus.")] = 128,
     seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = 512,
@@ -224,6 +225,8 @@ def quantize(
         batch_size=batch_size,
         max_shard_bytes=max_shard_size * 1_000_000,
     )
+    if method == "rtn" and calib is not None:
+        err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
     result = quantize_model(config)
     table = Table(title=f"Quantized {model} -> {output}")
     for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
@@ -318,6 +321,11 @@ def plan(
     chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=[parse_pin(p) for p in pin or []])
     save_plan(chosen, output)
     out.print(render_plan(chosen))
+    if loaded.mode == "proxy":
+        err.print(
+            "note: proxy errors rank a layer's own candidates but are not comparable across layers; below ~5 bits "
+            "per weight a plan from `quantkit sensitivity --mode hybrid` beats uniform schemes where proxy plans lost"
+        )
     if plot is not None:
         from quantkit.plan_plot import plot_frontier
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.grid import compute_qparams, dequantize, quantize, quantize_rtn
+from quantkit.grid import all_group_qparams, compute_qparams, quantize_rtn
 from quantkit.scheme import QuantizedWeight, QuantScheme
 
 _RETRY_MIN_DAMP = 1e-4  # so that a failed damp=0 attempt is retried with some damping
@@ -130,16 +130,11 @@ def _plan_groups(
     n, k = W.shape
     size = scheme.group_len(k)
     groups = scheme.num_groups(k)
+    if scheme.per_channel or scheme.static_groups:  # fixed up front on the un-updated W, original column order
+        scale, zero = all_group_qparams(W, scheme, scale_dtype=scale_dtype, col_weight=diag)
+        return _GroupPlan([c // size for c in perm.tolist()], {}, scale, zero, None)
     scale = torch.empty(n, groups, device=W.device)
     zero = None if scheme.symmetric else torch.empty(n, groups, dtype=torch.int8, device=W.device)
-    perm_list = perm.tolist()
-    static = scheme.per_channel or scheme.static_groups
-    if static:  # params fixed up front on the un-updated W, groups in original column order
-        plan = _GroupPlan([c // size for c in perm_list], {}, scale, zero, None)
-        for g in range(groups):
-            cols = slice(g * size, min((g + 1) * size, k))
-            plan.set_params(g, *compute_qparams(W[:, cols], scheme, scale_dtype=scale_dtype, col_weight=diag[cols]))
-        return plan
     starts = {j: min(j + size, k) for j in range(0, k, size)}
     g_idx = None
     if scheme.act_order:  # groups formed in processing order: g_idx[perm[j]] = j // size
@@ -147,16 +142,43 @@ def _plan_groups(
     return _GroupPlan([j // size for j in range(k)], starts, scale, zero, g_idx)
 
 
-def _current_columns(
-    W: torch.Tensor, W1: torch.Tensor, Err1: torch.Tensor, U: torch.Tensor, i1: int, i: int, end: int
+def _current_columns_t(
+    WT: torch.Tensor, W1T: torch.Tensor, Err1T: torch.Tensor, U: torch.Tensor, i1: int, i: int, end: int
 ) -> torch.Tensor:
-    """Columns ``[i1 + i, end)`` as updated by every column already quantized (incl. this block's)."""
-    i2 = i1 + W1.shape[1]
-    inside = W1[:, i : min(end, i2) - i1]
+    """Columns ``[i1 + i, end)`` as [N, L], updated by every column already quantized (incl. this block's).
+
+    ``WT``/``W1T``/``Err1T`` are transposed ([columns, N]): one column is one contiguous row.
+    """
+    i2 = i1 + W1T.shape[0]
+    inside = W1T[i : min(end, i2) - i1]
     if end <= i2:
-        return inside
-    outside = W[:, i2:end] - Err1[:, :i] @ U[i1 : i1 + i, i2:end]
-    return torch.cat([inside, outside], dim=1)
+        return inside.T
+    outside = WT[i2:end] - U[i1 : i1 + i, i2:end].T @ Err1T[:i]
+    return torch.cat([inside, outside]).T
+
+
+class _ColumnParams:
+    """Scale and zero (float32, contiguous [N]) of each column in processing order."""
+
+    def __init__(self, plan: _GroupPlan) -> None:
+        self.plan = plan
+        self.static = not plan.dynamic_end
+        groups = torch.tensor(plan.col_group, device=plan.scale.device)
+        # static groups: gathered once as [K, N] rows; dynamic: refreshed when a group's params are set
+        self.scale_t = plan.scale.T[groups].contiguous() if self.static else None
+        self.zero_t = None if plan.zero is None or not self.static else plan.zero.T[groups].float().contiguous()
+        self.current: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def refresh(self, g: int) -> None:
+        zero = None if self.plan.zero is None else self.plan.zero[:, g].float().contiguous()
+        self.current = (self.plan.scale[:, g].contiguous(), zero)
+
+    def __call__(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.static:
+            assert self.scale_t is not None
+            return self.scale_t[j], None if self.zero_t is None else self.zero_t[j]
+        assert self.current is not None
+        return self.current
 
 
 def _gptq_loop(
@@ -168,33 +190,43 @@ def _gptq_loop(
     block_size: int,
     scale_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, float]:
-    """Quantize ``W`` (processing order, modified in place) column by column; returns int8 q and the loss."""
+    """Quantize ``W`` (processing order) column by column; returns int8 q and the loss.
+
+    Works on the transpose, so that every per-column operation reads and writes one contiguous row; the
+    arithmetic is :func:`quantize` / :func:`dequantize`'s, on float32 integers (exact) instead of int8.
+    """
     n, k = W.shape
-    qint = torch.empty(n, k, dtype=torch.int8, device=W.device)
+    WT = W.T.contiguous()
+    qT = torch.empty(k, n, device=W.device)
+    params = _ColumnParams(plan)
     loss = torch.zeros((), dtype=torch.float64, device=W.device)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
+        W1T = WT[i1:i2].clone()
+        Err1T = torch.zeros_like(W1T)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
-            g = plan.col_group[j]
             end = plan.dynamic_end.get(j)
             if end is not None:
-                cols = _current_columns(W, W1, Err1, U, i1, i, end)
+                g = plan.col_group[j]
+                cols = _current_columns_t(WT, W1T, Err1T, U, i1, i, end)
                 plan.set_params(g, *compute_qparams(cols, scheme, scale_dtype=scale_dtype, col_weight=diag[j:end]))
-            scale = plan.scale[:, g]
-            zero = None if plan.zero is None else plan.zero[:, g]
-            w = W1[:, i]
-            q = quantize(w, scale, zero, scheme)
-            qint[:, j] = q
-            err = (w - dequantize(q, scale, zero)) / U1[i, i]
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            Err1[:, i] = err
-        loss += Err1.double().square().sum()
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
-    return qint, float(loss)
+                params.refresh(g)
+            scale, zero = params(j)
+            w, q, err = W1T[i], qT[j], Err1T[i]
+            torch.div(w, scale, out=q).round_()
+            if zero is None:
+                q.clamp_(scheme.qmin, scheme.qmax)
+                torch.mul(q, scale, out=err)
+            else:
+                q.add_(zero).clamp_(scheme.qmin, scheme.qmax)
+                torch.sub(q, zero, out=err).mul_(scale)
+            torch.sub(w, err, out=err).div_(U1[i, i])
+            W1T[i:].addr_(U1[i, i:], err, alpha=-1.0)
+        loss += Err1T.double().square().sum()
+        WT[i2:].addmm_(U[i1:i2, i2:].T, Err1T, alpha=-1.0)
+    return qT.T.to(torch.int8), float(loss)
 
 
 def _rtn_fallback(

@@ -76,7 +76,8 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
         raise QuantkitError(
             f"output directory '{output}' exists; pass --force to replace it once the new one is complete"
         )
-    calibration = _calibration(config, load_tokenizer(source))
+    # Round-to-nearest needs no activations: no calibration data, no forward passes, block by block all the same.
+    calibration = None if config.method == "rtn" else _calibration(config, load_tokenizer(source))
     release_freed_memory()  # tokenization's temporaries
     num_layers = int(config_json(source)["num_hidden_layers"])
     assignment = _assignment(config, arch, num_layers)
@@ -84,7 +85,9 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
         storage = weights.storage_dtype()
         fingerprints = {
             "model": weights.fingerprint(),
-            "calibration data": hashlib.sha256(calibration.input_ids.numpy().tobytes()).hexdigest()[:16],
+            "calibration data": "none"
+            if calibration is None
+            else hashlib.sha256(calibration.input_ids.numpy().tobytes()).hexdigest()[:16],
             "scheme": _scheme_fingerprint(config, assignment),
         }
         work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume)
@@ -164,7 +167,7 @@ def _run_blocks(
     arch: ArchSpec,
     source: Path,
     weights: SourceWeights,
-    calibration: CalibrationSet,
+    calibration: CalibrationSet | None,
     assignment: SchemeAssignment,
     storage: torch.dtype,
     work: WorkDir,
@@ -172,25 +175,37 @@ def _run_blocks(
 ) -> None:
     model = build_skeleton(source)
     layers = get_module(model, arch.layers_path)
-    runner = BlockRunner.for_model(model, arch, calibration.seq_len, config.batch_size)
-    if work.finished == 0:
-        embedding = get_module(model, arch.embed_path)
-        load_module(embedding, arch.embed_path, weights, dtype=storage)
-        hidden = embed(model, arch, calibration.input_ids, storage)
-        release_module(embedding)
+    hidden: torch.Tensor | None = None
+    if calibration is None:  # round-to-nearest needs no activations
+
+        def step(block: nn.Module, prefix: str, hidden: torch.Tensor | None):
+            quantized, records = _rtn_block(block, prefix, assignment.for_block(prefix), storage)
+            return quantized, None, records
+
     else:
-        hidden = work.load_hidden()
-    gptq = GPTQConfig(damp=config.damp, block_size=config.block_size)
+        runner = BlockRunner.for_model(model, arch, calibration.seq_len, config.batch_size)
+        if work.finished == 0:
+            embedding = get_module(model, arch.embed_path)
+            load_module(embedding, arch.embed_path, weights, dtype=storage)
+            hidden = embed(model, arch, calibration.input_ids, storage)
+            release_module(embedding)
+        else:
+            hidden = work.load_hidden()
+        gptq = GPTQConfig(damp=config.damp, block_size=config.block_size)
+
+        def step(block: nn.Module, prefix: str, hidden: torch.Tensor | None):
+            schemes = assignment.for_block(prefix)
+            return quantize_block(
+                block, prefix, arch, runner, hidden, schemes, config, gptq, storage, spill=work.spill_file
+            )
+
     with progress_bar(config.show_progress) as bar:
         task = bar.add_task(f"Quantizing ({config.method})", total=len(layers), completed=work.finished)
         for index in range(work.finished, len(layers)):
             prefix = f"{arch.layers_path}.{index}"
             block = layers[index]
             load_module(block, prefix, weights)
-            schemes = assignment.for_block(prefix)
-            quantized, hidden, records = quantize_block(
-                block, prefix, arch, runner, hidden, schemes, config, gptq, storage
-            )
+            quantized, hidden, records = step(block, prefix, hidden)
             work.save_block(index, block_tensors(block, prefix, quantized, storage), hidden, records)
             release_module(block)
             del quantized
@@ -198,6 +213,19 @@ def _run_blocks(
             bar.advance(task)
             if on_block_done is not None:
                 on_block_done(index)
+
+
+def _rtn_block(
+    block: nn.Module, prefix: str, schemes: dict[str, QuantScheme | None], storage: torch.dtype
+) -> tuple[dict[str, QuantizedWeight], list[dict]]:
+    """Round-to-nearest of one block's linears, straight from their weights."""
+    quantized: dict[str, QuantizedWeight] = {}
+    records: list[dict] = []
+    for name, scheme in schemes.items():
+        if scheme is not None:
+            quantized[name] = quantize_rtn(get_module(block, name).weight.data, scheme, scale_dtype=storage)
+            records.append(asdict(LayerRecord(f"{prefix}.{name}", scheme.name, None, None)))
+    return quantized, records
 
 
 def quantize_block(
@@ -210,12 +238,14 @@ def quantize_block(
     config: QuantizeConfig,
     gptq: GPTQConfig,
     storage: torch.dtype,
+    spill: Path | None = None,
 ) -> tuple[dict[str, QuantizedWeight], torch.Tensor, list[dict]]:
     """Quantize one block in place (its linears end up holding their dequantized weights).
 
     Returns the quantized weights by relative name, the block's output on the calibration inputs (the next
     block's input, computed with the quantized weights), and one record per quantized linear. The output is
-    written over ``hidden`` (one activation buffer less); pass a clone to keep the input.
+    written over ``hidden`` (one activation buffer less); pass a clone to keep the input. ``spill``: a scratch
+    file for down_proj's inputs, so the output pass need not recompute them (see :class:`StagedBlock`).
     """
     quantized: dict[str, QuantizedWeight] = {}
     records: list[dict] = []
@@ -223,7 +253,7 @@ def quantize_block(
     if config.method in ("awq", "awq+gptq"):
         report = apply_awq_to_block(block, arch, hidden, runner, schemes, config.awq, scale_dtype=storage)
         records.extend(_awq_records(prefix, report))
-    staged = StagedBlock(block, arch, runner, hidden)
+    staged = StagedBlock(block, arch, runner, hidden, spill=spill)
     for stage_index, stage in enumerate(arch.sequential_stages):
         hessian = None
         if use_hessian:
@@ -330,7 +360,7 @@ def _write_checkpoint(
     weights: SourceWeights,
     assignment: SchemeAssignment,
     work: WorkDir,
-    calibration: CalibrationSet,
+    calibration: CalibrationSet | None,
     records: list[LayerRecord],
     storage: torch.dtype,
 ) -> None:
@@ -359,8 +389,8 @@ def _write_checkpoint(
             "method": config.method,
             "damp": config.damp,
             "block_size": config.block_size,
-            "calibration": calibration.metadata,
-            "calibration_shape": list(calibration.input_ids.shape),
+            "calibration": None if calibration is None else calibration.metadata,
+            "calibration_shape": None if calibration is None else list(calibration.input_ids.shape),
             "fingerprints": work.state["fingerprints"],
             "layers": work.records,
         }

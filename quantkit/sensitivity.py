@@ -14,6 +14,7 @@ model's (each unit is measured alone). Modes:
 from __future__ import annotations
 
 import hashlib
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +107,11 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
     solved_as = {name: None if s is None else with_solver_options(s, options) for name, s in schemes.items()}
     gptq = GPTQConfig(damp=config.damp, block_size=config.block_size)
     units: list[UnitMeasurement] = []
-    with SourceWeights(source) as weights:
+    scratch_parent = None if config.output is None else config.output.resolve().parent
+    if scratch_parent is not None and not scratch_parent.is_dir():
+        scratch_parent = None  # the system's temporary directory
+    with SourceWeights(source) as weights, tempfile.TemporaryDirectory(dir=scratch_parent) as scratch:
+        spill = Path(scratch) / "down_inputs.spill"  # see StagedBlock: spares the output pass the MLP
         storage = weights.storage_dtype()
         if config.mode != "proxy":
             model = load_model(source)
@@ -122,7 +127,7 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
                 prefix = f"{arch.layers_path}.{index}"
                 if kl is None:
                     load_module(block, prefix, weights)
-                staged = StagedBlock(block, arch, runner, hidden)
+                staged = StagedBlock(block, arch, runner, hidden, spill=spill)
                 for stage_index, stage in enumerate(arch.sequential_stages):
                     hessian = HessianStat.zeros(get_module(block, stage[0]).in_features)
                     for x in staged.stage_inputs(stage_index):

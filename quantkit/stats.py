@@ -49,32 +49,39 @@ def _divide_check(count: int, what: str) -> None:
         raise CalibrationError(f"{what} has seen no calibration rows; run calibration before solving")
 
 
-_GRAM_STRIPS = 4  # row strips of the upper triangle; ~(1 + 1/strips) / 2 of a full product's work
+_GRAM_STRIP = 256  # columns per row strip of the upper triangle (measured fastest at K = 576 and 1536)
 
 
-def add_gram_(out: torch.Tensor, rows: torch.Tensor) -> None:
-    """``out += rows^T rows`` computing only the upper triangle (in strips) and mirroring it (in place).
+def add_upper_gram_(out: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out += rows^T rows`` on the upper triangle only (in place); read it back with :func:`symmetric_from_upper`.
 
-    The Gram matrix is symmetric, so half the product is redundant: for the 1536-wide down_proj inputs of
-    a small model this is the largest single cost of the calibration pass. The result is exactly symmetric.
+    The Gram matrix is symmetric, so half the product is redundant: for the 1536-wide down_proj inputs of a
+    small model this is the largest single cost of the calibration pass. Row strips compute each diagonal tile
+    and everything right of it; the lower triangle is left as scratch (only its diagonal tiles are touched),
+    and mirroring happens once, when the Hessian is read, not once per batch.
     """
     k = rows.shape[1]
-    strip = -(-k // _GRAM_STRIPS)
-    if k < 256:  # small matrices: one full product is faster than several thin ones
+    if k < _GRAM_STRIP:  # small matrices: one full product is faster than several thin ones
         out.addmm_(rows.T, rows)
         return
-    for i0 in range(0, k, strip):
-        i1 = min(i0 + strip, k)
-        upper = rows[:, i0:i1].T @ rows[:, i0:]  # [i1 - i0, k - i0]: the diagonal tile and everything right of it
-        out[i0:i1, i0:] += upper
-        out[i1:, i0:i1] += upper[:, i1 - i0 :].T
+    for i0 in range(0, k, _GRAM_STRIP):
+        out[i0 : i0 + _GRAM_STRIP, i0:].addmm_(rows[:, i0 : i0 + _GRAM_STRIP].T, rows[:, i0:])
+
+
+def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
+    """The exactly symmetric matrix whose upper triangle (diagonal included) is ``upper``'s."""
+    return torch.triu(upper) + torch.triu(upper, diagonal=1).T
 
 
 @dataclass(slots=True)
 class HessianStat:
-    """Sum of ``x^T x`` over calibration rows (``xtx`` [K, K]) and the number of rows ``count``."""
+    """Sum of ``x^T x`` over calibration rows and the number of rows ``count``.
 
-    xtx: torch.Tensor
+    ``gram`` [K, K] accumulates the upper triangle only (see :func:`add_upper_gram_`); ``xtx`` is the full,
+    exactly symmetric sum.
+    """
+
+    gram: torch.Tensor
     count: int = 0
 
     @classmethod
@@ -83,19 +90,23 @@ class HessianStat:
 
     @property
     def in_features(self) -> int:
-        return int(self.xtx.shape[0])
+        return int(self.gram.shape[0])
+
+    @property
+    def xtx(self) -> torch.Tensor:
+        return symmetric_from_upper(self.gram)
 
     def update(self, x: torch.Tensor) -> None:
         """Accumulate ``x^T x`` for inputs ``x`` [..., K] in the stat's dtype."""
-        rows = _rows(x, self.in_features, "HessianStat.update").to(device=self.xtx.device, dtype=self.xtx.dtype)
-        add_gram_(self.xtx, rows)
+        rows = _rows(x, self.in_features, "HessianStat.update").to(device=self.gram.device, dtype=self.gram.dtype)
+        add_upper_gram_(self.gram, rows)
         self.count += int(rows.shape[0])
 
     def merge(self, other: HessianStat) -> HessianStat:
-        _check_mergeable(self.xtx, other.xtx, "Hessian statistics")
-        dtype = torch.promote_types(self.xtx.dtype, other.xtx.dtype)
-        xtx = self.xtx.to(dtype) + other.xtx.to(device=self.xtx.device, dtype=dtype)
-        return HessianStat(xtx, self.count + other.count)
+        _check_mergeable(self.gram, other.gram, "Hessian statistics")
+        dtype = torch.promote_types(self.gram.dtype, other.gram.dtype)
+        gram = self.gram.to(dtype) + other.gram.to(device=self.gram.device, dtype=dtype)
+        return HessianStat(gram, self.count + other.count)
 
     def hessian(self) -> torch.Tensor:
         """float32 ``H = 2 / count * X^T X`` (divided in the accumulation dtype)."""

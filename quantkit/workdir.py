@@ -4,7 +4,8 @@ Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block co
 ``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.pt`` (the input of the
 next block, written by ``torch.save`` straight from the tensor's storage, with no in-memory copy). Every file
 is written under a temporary name and renamed; ``state.json`` is updated last, so a crash at any point leaves a
-consistent state.
+consistent state. ``down_inputs.spill`` is a block's scratch file (see :class:`quantkit.staged_block.StagedBlock`),
+deleted as soon as the block's output is computed.
 """
 
 from __future__ import annotations
@@ -68,16 +69,22 @@ class WorkDir:
     def records(self) -> list[dict]:
         return list(self.state["records"])
 
+    @property
+    def spill_file(self) -> Path:
+        return self.path / "down_inputs.spill"
+
     def block_file(self, index: int) -> Path:
         return self.path / f"block_{index:04d}.safetensors"
 
     def save_block(
-        self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor, records: list[dict]
+        self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor | None, records: list[dict]
     ) -> None:
+        """Save a finished block and (unless the run needs no activations) the next block's input."""
         assert index == self.finished, f"block {index} saved out of order (expected {self.finished})"
         contiguous = {k: v.contiguous() for k, v in tensors.items()}
         _atomic(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
-        _atomic(self.path / HIDDEN, lambda p: torch.save(hidden.contiguous(), p))
+        if hidden is not None:
+            _atomic(self.path / HIDDEN, lambda p: torch.save(hidden.contiguous(), p))
         self.state["finished"] = index + 1
         self.state["records"].extend(records)
         self._write_state()

@@ -70,9 +70,10 @@ def main() -> None:
     parser.add_argument("--candidates", default=",".join(CANDIDATES))
     parser.add_argument("--uniform", default=None, help="uniform schemes to compare (default: every candidate)")
     parser.add_argument("--measurement", type=Path, default=None, help="reuse a saved measurement JSON")
-    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--save-measurement", type=Path, default=None, help="write the new measurement here")
+    parser.add_argument("--json", type=Path, default=None, help="results, rewritten after every run")
     args = parser.parse_args()
-    console = Console()
+    console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
     budgets = [float(b) for b in args.budgets.split(",")]
     candidates = args.candidates.split(",")
     options = QuantScheme(**default_solver_options(args.method))
@@ -91,6 +92,7 @@ def main() -> None:
                     mode=args.mode,
                     act_order=options.act_order,
                     mse_clip=options.mse_clip,
+                    output=args.save_measurement,
                     **calib_kw,
                 )
             )
@@ -101,18 +103,27 @@ def main() -> None:
         def run(name: str, **quant_kw) -> dict:
             out = root / name
             quant_kw.setdefault("scheme", options)  # a plan's schemes take the run's solver options
+            t0 = time.perf_counter()
             quantize_model(QuantizeConfig(model=args.model, output=out, method=args.method, **calib_kw, **quant_kw))
+            quantize_s = round(time.perf_counter() - t0, 1)
             e = evaluate(
                 EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
             )
-            return {"perplexity": e.perplexity, "kl": e.kl_mean, "top1": e.top1_agreement}
+            return {"perplexity": e.perplexity, "kl": e.kl_mean, "top1": e.top1_agreement, "quantize_s": quantize_s}
 
-        uniform = {}
+        uniform: dict[str, dict] = {}
+        rows: list[dict] = []
+
+        def dump() -> None:  # partial results survive an interrupted sweep
+            if args.json:
+                payload = {"mode": measurement.mode, "rows": rows, "uniform": uniform}
+                args.json.write_text(json.dumps({**payload, "sensitivity_seconds": sensitivity_s}, indent=2))
+
         for name in uniform_names:
             bpw = sum(u.options[name].bits for u in measurement.units) / params
             scheme = with_solver_options(parse_candidate(name), options)
             uniform[name] = {"bpw": bpw, **run(f"uniform-{name}", scheme=scheme)}
-        rows = []
+            dump()
         for budget in budgets:
             chosen = plan(measurement, target_bits=budget)
             plan_file = save_plan(chosen, root / f"plan-{budget}.yaml")
@@ -130,6 +141,7 @@ def main() -> None:
                     "uniform_result": best[1] if best else None,
                 }
             )
+            dump()
     table = Table(
         title=f"Mixed precision vs uniform on {args.model} ({args.method}, {args.samples}x{args.seq_len} "
         f"calibration, {args.eval_windows} eval windows)"

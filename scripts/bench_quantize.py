@@ -90,7 +90,7 @@ def main() -> None:
     if args.only:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c.scheme in wanted]
-    console = Console()
+    console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
     base = evaluate(EvalConfig(model=args.model, max_windows=args.eval_windows, show_progress=False))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

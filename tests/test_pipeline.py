@@ -94,6 +94,24 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
     assert staged._context is None  # o_proj inputs freed once the residual stream is complete
 
 
+def test_spilled_down_inputs_give_a_bit_identical_output_and_are_deleted(tmp_path):
+    from quantkit.staged_block import StagedBlock
+
+    model, arch, runner, hidden = _first_block_setup(5, torch.bfloat16, seed=2)
+    block = model.model.layers[0]
+    outputs = {}
+    for spill in (None, tmp_path / "down.spill"):
+        staged = StagedBlock(block, arch, runner, hidden.clone(), spill=spill)
+        for stage in range(len(arch.sequential_stages)):
+            for _ in staged.stage_inputs(stage):
+                pass
+        if spill is not None:  # 5 rows in batches of 2: three float32 [b, 16, intermediate] batches
+            assert spill.stat().st_size == 5 * 16 * block.mlp.down_proj.in_features * 4
+        outputs[spill] = staged.output()
+    assert torch.equal(outputs[None], outputs[tmp_path / "down.spill"])
+    assert not (tmp_path / "down.spill").exists()
+
+
 def test_gptq_beats_rtn_and_the_checkpoint_loads(tiny_model_dir, calib_file, tmp_path):
     results = {}
     for method in ("rtn", "gptq"):
@@ -135,6 +153,31 @@ def test_resume_after_interruption_gives_identical_bytes(tiny_model_dir, calib_f
     assert result.resumed_from == 1
     for name in ("model.safetensors", "config.json", "quantkit_log.json"):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_rtn_is_data_free_and_resumes(tiny_model_dir, tmp_path, monkeypatch):
+    """Round-to-nearest draws no calibration data and keeps no activations, and still resumes exactly."""
+
+    def no_calibration(*_args, **_kwargs):
+        raise AssertionError("rtn must not build calibration data")
+
+    monkeypatch.setattr(pipeline, "calibration_for_model", no_calibration)
+    whole = tmp_path / "whole"
+    quantize_model(_config(tiny_model_dir, None, whole, method="rtn"))
+    partial = tmp_path / "resumed.partial"
+
+    def stop_after_first(index):
+        assert not (partial / "hidden.pt").exists()
+        raise KeyboardInterrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(_config(tiny_model_dir, None, resumed, method="rtn"), on_block_done=stop_after_first)
+    result = quantize_model(_config(tiny_model_dir, None, resumed, method="rtn", resume=True))
+    assert result.resumed_from == 1 and len(result.records) == 14
+    assert (whole / "model.safetensors").read_bytes() == (resumed / "model.safetensors").read_bytes()
+    log = json.loads((whole / "quantkit_log.json").read_text())
+    assert log["calibration"] is None and log["fingerprints"]["calibration data"] == "none"
 
 
 def test_existing_output_is_protected(tiny_model_dir, calib_file, tmp_path):

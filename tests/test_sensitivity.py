@@ -83,6 +83,7 @@ def test_plan_is_met_exactly_on_disk(tiny_model_dir, calib, proxy, tmp_path, cap
     plan_file = tmp_path / "plan.yaml"
     code, _, err = run_cli(["plan", str(proxy), "--target-bits", "6", "-o", str(plan_file)], capsys)
     assert code == 0, err
+    assert "--mode hybrid" in " ".join(err.split())  # a proxy measurement's plan points to the better mode
     out = tmp_path / "ckpt"
     code, _, err = run_cli(
         ["quantize", str(tiny_model_dir), "-o", str(out), "--plan", str(plan_file), "--calib", str(calib)], capsys

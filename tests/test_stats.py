@@ -39,8 +39,8 @@ def test_upper_triangle_gram_equals_full_product_and_is_symmetric(k: int) -> Non
     h.update(x[100:])  # accumulates into a non-zero matrix
     expected = x.double().T @ x.double()
     assert torch.allclose(h.xtx, expected, rtol=1e-12, atol=1e-9)
-    if k >= 256:  # the strip path mirrors its upper triangle: exactly symmetric
-        assert torch.equal(h.xtx, h.xtx.T)
+    assert torch.equal(h.xtx, h.xtx.T)  # mirrored from one triangle: exactly symmetric
+    assert torch.equal(h.hessian(), h.hessian().T)
 
 
 def test_act_merge_of_halves_equals_concatenation() -> None:

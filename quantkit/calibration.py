@@ -7,6 +7,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -17,6 +18,9 @@ from quantkit.config import CalibrationConfig
 from quantkit.errors import CalibrationError
 from quantkit.sources import load_documents
 from quantkit.tokens import bos_prefix, encode_documents, join_documents
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 FORMAT = "quantkit-calibration/1"
 _DIVERSE_POOL_FACTOR = 8
@@ -68,13 +72,17 @@ class CalibrationResult:
     source_tokens: int
 
 
-def build_calibration(config: CalibrationConfig) -> CalibrationResult:
-    """Sample ``num_samples`` windows of ``seq_len`` tokens, deterministically for a seed; save if asked."""
+def build_calibration(config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> CalibrationResult:
+    """Sample ``num_samples`` windows of ``seq_len`` tokens, deterministically for a seed; save if asked.
+
+    ``tokenizer``: ``config.model``'s tokenizer when the caller has it loaded already (else it is loaded here).
+    """
     from quantkit.models import load_tokenizer, tokenizer_fingerprint
 
     config.validate()
     start = time.perf_counter()
-    tokenizer = load_tokenizer(config.model)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.model)
     docs = load_documents(config.dataset, text_column=config.text_column, render_chat=_chat_renderer(tokenizer))
     encoded = encode_documents(tokenizer, docs.texts, show_progress=config.show_progress)
     prefix = bos_prefix(tokenizer)

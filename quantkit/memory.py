@@ -1,9 +1,11 @@
-"""Handing freed heap memory back to the operating system between blocks.
+"""Handing freed heap memory back to the operating system between blocks and between a block's stages.
 
 glibc keeps freed medium-sized allocations (weights, mini-batch activations) in its arenas; over thirty blocks
 of differently shaped tensors that fragmentation grows the resident set by ~15 MB per block. ``malloc_trim``
 once per block returns it (measured on SmolLM2: the steady-state RSS between blocks stays flat instead of
-growing from 0.9 to 1.4 GB). Elsewhere (macOS, musl) this is a no-op.
+growing from 0.9 to 1.4 GB). Inside a block, the freed mini-batch temporaries of one stage would otherwise stay
+resident through the solve and the next stage: trimming after each stage lowered the peak over ten SmolLM2
+blocks from 809 to 755 MB, for ~0.15 s of extra page faults per block. Elsewhere (macOS, musl) this is a no-op.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ from quantkit.memory import release_freed_memory
 from quantkit.progress import progress_bar
 from quantkit.scheme import QuantizedWeight, QuantScheme, with_solver_options
 from quantkit.source_weights import SourceWeights, build_skeleton, config_json, load_module, release_module
+from quantkit.spill import SpillFile
 from quantkit.staged_block import StagedBlock
 from quantkit.stats import HessianStat
 from quantkit.workdir import WorkDir, partial_dir
@@ -124,7 +125,8 @@ def calibration_for_model(
         built = build_calibration(
             CalibrationConfig(
                 model=model, num_samples=num_samples, seq_len=seq_len, seed=seed, show_progress=show_progress
-            )
+            ),
+            tokenizer,
         )
         return built.calibration
     calibration = CalibrationSet.load(Path(calib))
@@ -176,6 +178,7 @@ def _run_blocks(
     model = build_skeleton(source)
     layers = get_module(model, arch.layers_path)
     hidden: torch.Tensor | None = None
+    spill = SpillFile(work.spill_file)
     if calibration is None:  # round-to-nearest needs no activations
 
         def step(block: nn.Module, prefix: str, hidden: torch.Tensor | None):
@@ -195,11 +198,9 @@ def _run_blocks(
 
         def step(block: nn.Module, prefix: str, hidden: torch.Tensor | None):
             schemes = assignment.for_block(prefix)
-            return quantize_block(
-                block, prefix, arch, runner, hidden, schemes, config, gptq, storage, spill=work.spill_file
-            )
+            return quantize_block(block, prefix, arch, runner, hidden, schemes, config, gptq, storage, spill=spill)
 
-    with progress_bar(config.show_progress) as bar:
+    with progress_bar(config.show_progress) as bar, spill:
         task = bar.add_task(f"Quantizing ({config.method})", total=len(layers), completed=work.finished)
         for index in range(work.finished, len(layers)):
             prefix = f"{arch.layers_path}.{index}"
@@ -238,7 +239,7 @@ def quantize_block(
     config: QuantizeConfig,
     gptq: GPTQConfig,
     storage: torch.dtype,
-    spill: Path | None = None,
+    spill: SpillFile | None = None,
 ) -> tuple[dict[str, QuantizedWeight], torch.Tensor, list[dict]]:
     """Quantize one block in place (its linears end up holding their dequantized weights).
 
@@ -255,15 +256,9 @@ def quantize_block(
         records.extend(_awq_records(prefix, report))
     staged = StagedBlock(block, arch, runner, hidden, spill=spill)
     for stage_index, stage in enumerate(arch.sequential_stages):
-        hessian = None
-        if use_hessian:
-            in_features = get_module(block, stage[0]).in_features
-            hessian = HessianStat.zeros(in_features)
-            for x in staged.stage_inputs(stage_index):
-                hessian.update(x)
-        else:
-            for _ in staged.stage_inputs(stage_index):  # keeps the stage caches that the output needs
-                pass
+        in_features = get_module(block, stage[0]).in_features
+        hessian = _stage_hessian(staged, stage_index, in_features if use_hessian else None)
+        release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         for names, scheme in _same_scheme_runs(stage, schemes):
             linears = [get_module(block, name) for name in names]
             fulls = [f"{prefix}.{name}" for name in names]
@@ -279,7 +274,17 @@ def quantize_block(
                 linear.weight.data = qw.dequantize(torch.float32)
                 quantized[name] = qw
                 records.append(asdict(record))
+    release_freed_memory()
     return quantized, staged.output(), records
+
+
+def _stage_hessian(staged: StagedBlock, stage_index: int, in_features: int | None) -> HessianStat | None:
+    """Run one stage over every mini-batch; the Hessian of its inputs (None: just run it, for its caches)."""
+    hessian = None if in_features is None else HessianStat.zeros(in_features)
+    for x in staged.stage_inputs(stage_index):
+        if hessian is not None:
+            hessian.update(x)
+    return hessian
 
 
 def _same_scheme_runs(

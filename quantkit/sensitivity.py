@@ -33,6 +33,7 @@ from quantkit.metrics import token_kl
 from quantkit.progress import progress_bar
 from quantkit.scheme import QuantScheme, with_solver_options
 from quantkit.source_weights import SourceWeights, build_skeleton, load_module, release_module
+from quantkit.spill import SpillFile
 from quantkit.staged_block import StagedBlock
 from quantkit.stats import HessianStat
 
@@ -110,8 +111,11 @@ def measure_sensitivity(config: SensitivityConfig) -> Measurement:
     scratch_parent = None if config.output is None else config.output.resolve().parent
     if scratch_parent is not None and not scratch_parent.is_dir():
         scratch_parent = None  # the system's temporary directory
-    with SourceWeights(source) as weights, tempfile.TemporaryDirectory(dir=scratch_parent) as scratch:
-        spill = Path(scratch) / "down_inputs.spill"  # see StagedBlock: spares the output pass the MLP
+    with (
+        SourceWeights(source) as weights,
+        tempfile.TemporaryDirectory(dir=scratch_parent) as scratch,
+        SpillFile(Path(scratch) / "down_inputs.spill") as spill,  # see StagedBlock: spares the output the MLP
+    ):
         storage = weights.storage_dtype()
         if config.mode != "proxy":
             model = load_model(source)

@@ -9,10 +9,11 @@ Memory: the block works in place in the input buffer. Once o_proj's stage is don
 longer needed, so the residual stream ``h2`` overwrites it, and the output then overwrites ``h2``; with the
 attention context (freed after the gate/up stage), at most two activation buffers exist at once.
 
-With a ``spill`` file, down_proj's inputs (the widest activations, 4x hidden size in float32) are written to
-disk as they are produced, instead of being recomputed by the output pass: the output then costs one down_proj
-product per batch instead of the whole MLP (gate/up are two thirds of its work). The file lives in the page
-cache, not in the process's resident set, and is deleted once read; the output is bit-identical either way.
+With a ``spill`` file (:class:`quantkit.spill.SpillFile`), down_proj's inputs (the widest activations, 4x hidden
+size in float32) are written to disk as they are produced, instead of being recomputed by the output pass: the
+output then costs one down_proj product per batch instead of the whole MLP (gate/up are two thirds of its work).
+The file lives in the page cache, not in the process's resident set, and is overwritten by the next block; the
+output is bit-identical either way.
 
 Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
 ``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in
@@ -22,13 +23,13 @@ down_proj.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from quantkit.architectures import ArchSpec
 from quantkit.block_io import BlockRunner, get_module, set_module
+from quantkit.spill import SpillFile
 
 
 class StagedBlock:
@@ -38,7 +39,7 @@ class StagedBlock:
         arch: ArchSpec,
         runner: BlockRunner,
         hidden: torch.Tensor,
-        spill: Path | None = None,
+        spill: SpillFile | None = None,
     ) -> None:
         self.block = block
         self.arch = arch
@@ -52,7 +53,7 @@ class StagedBlock:
         self._context: torch.Tensor | None = None  # o_proj inputs
         self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
         self.spill = spill  # where down_proj's inputs go, for the output pass (None: recompute them)
-        self._spilled: list[tuple[torch.Size, torch.dtype]] = []  # the spilled batches, in order
+        self._spilled_batches = 0
 
     def _batches(self) -> Iterator[slice]:
         n, size = self.hidden.shape[0], self.runner.batch_size
@@ -87,22 +88,16 @@ class StagedBlock:
         return out
 
     def _spill_complete(self) -> bool:
-        return self.spill is not None and len(self._spilled) == len(list(self._batches()))
+        return self.spill is not None and self._spilled_batches == len(list(self._batches()))
 
     def _output_from_spill(self, out: torch.Tensor) -> torch.Tensor:
         """``h2 + down_proj(a)`` with the down_proj inputs ``a`` read back from the spill file."""
         assert self.spill is not None
         down = get_module(self.block, self.arch.sequential_stages[3][0])
-        try:
-            with open(self.spill, "rb") as file, torch.inference_mode():
-                for rows, (shape, dtype) in zip(self._batches(), self._spilled, strict=True):
-                    a = torch.empty(shape, dtype=dtype)
-                    if file.readinto(_raw_bytes(a)) != a.numel() * a.element_size():
-                        raise OSError(f"spill file {self.spill} is truncated")
-                    out[rows] = (out[rows].float() + down(a)).to(out.dtype)
-        finally:
-            self.spill.unlink(missing_ok=True)
-            self._spilled = []
+        self._spilled_batches = 0
+        with torch.inference_mode():
+            for rows, a in zip(self._batches(), self.spill.read_back(), strict=True):
+                out[rows] = (out[rows].float() + down(a)).to(out.dtype)
         return out
 
     def _qkv_input(self, rows: slice) -> torch.Tensor:
@@ -132,10 +127,10 @@ class StagedBlock:
         a = self._capture_input(self.arch.sequential_stages[3][0], lambda: self.mlp(x))
         if self.spill is not None:
             if rows.start == 0:
-                self._spilled = []
-            with open(self.spill, "wb" if rows.start == 0 else "ab") as file:
-                file.write(_raw_bytes(a.contiguous()))
-            self._spilled.append((a.shape, a.dtype))
+                self.spill.rewind()
+                self._spilled_batches = 0
+            self.spill.write(a)
+            self._spilled_batches += 1
         return a
 
     def _capture_input(self, path: str, run: Callable[[], object]) -> torch.Tensor:
@@ -158,11 +153,6 @@ class StagedBlock:
         t = x.shape[1]
         out = self.attn(hidden_states=x, attention_mask=None, position_embeddings=(cos[:, :t], sin[:, :t]))
         return out[0] if isinstance(out, tuple) else out
-
-
-def _raw_bytes(tensor: torch.Tensor) -> memoryview:
-    """The storage of a contiguous CPU tensor as a writable byte view (any dtype, bfloat16 included)."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
 
 
 class _InputRecorder(nn.Module):

@@ -4,8 +4,8 @@ Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block co
 ``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.pt`` (the input of the
 next block, written by ``torch.save`` straight from the tensor's storage, with no in-memory copy). Every file
 is written under a temporary name and renamed; ``state.json`` is updated last, so a crash at any point leaves a
-consistent state. ``down_inputs.spill`` is a block's scratch file (see :class:`quantkit.staged_block.StagedBlock`),
-deleted as soon as the block's output is computed.
+consistent state. ``down_inputs.spill`` is the blocks' scratch file (see :class:`quantkit.spill.SpillFile`),
+overwritten by every block and deleted at the end of the run.
 """
 
 from __future__ import annotations

@@ -94,22 +94,32 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
     assert staged._context is None  # o_proj inputs freed once the residual stream is complete
 
 
-def test_spilled_down_inputs_give_a_bit_identical_output_and_are_deleted(tmp_path):
+def test_spilled_down_inputs_give_a_bit_identical_output_and_the_file_is_reused(tmp_path):
+    from quantkit.spill import SpillFile
     from quantkit.staged_block import StagedBlock
 
     model, arch, runner, hidden = _first_block_setup(5, torch.bfloat16, seed=2)
     block = model.model.layers[0]
-    outputs = {}
-    for spill in (None, tmp_path / "down.spill"):
-        staged = StagedBlock(block, arch, runner, hidden.clone(), spill=spill)
+    path = tmp_path / "down.spill"
+    batch_bytes = 5 * 16 * block.mlp.down_proj.in_features * 4  # 5 rows in batches of 2, float32 [b, 16, inter]
+
+    def run(spill: SpillFile | None, start: torch.Tensor) -> torch.Tensor:
+        staged = StagedBlock(block, arch, runner, start.clone(), spill=spill)
         for stage in range(len(arch.sequential_stages)):
             for _ in staged.stage_inputs(stage):
                 pass
-        if spill is not None:  # 5 rows in batches of 2: three float32 [b, 16, intermediate] batches
-            assert spill.stat().st_size == 5 * 16 * block.mlp.down_proj.in_features * 4
-        outputs[spill] = staged.output()
-    assert torch.equal(outputs[None], outputs[tmp_path / "down.spill"])
-    assert not (tmp_path / "down.spill").exists()
+        if spill is not None:
+            assert path.stat().st_size == batch_bytes
+            assert [shape[0] for shape, _ in spill.written] == [2, 2, 1]
+        return staged.output()
+
+    first = run(None, hidden)
+    second = run(None, first)
+    with SpillFile(path) as spill:
+        assert torch.equal(run(spill, hidden), first)
+        assert torch.equal(run(spill, first), second)  # the second block overwrites the first one's inputs
+        assert path.stat().st_size == batch_bytes and spill.written == []
+    assert not path.exists()
 
 
 def test_gptq_beats_rtn_and_the_checkpoint_loads(tiny_model_dir, calib_file, tmp_path):

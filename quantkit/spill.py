@@ -53,8 +53,7 @@ class SpillFile:
     def read_back(self) -> Iterator[torch.Tensor]:
         """Yield the tensors written since the last :meth:`rewind`, in order; then rewind.
 
-        Tensors of the same shape are read into one buffer: use each before asking for the next. (A fresh
-        12.6 MB tensor per SmolLM2 mini-batch cost ~3,000 page faults each.)
+        Tensors of the same shape are read into one buffer: use each before asking for the next.
         """
         assert self._file is not None, "nothing was written"
         self._file.flush()

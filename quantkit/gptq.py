@@ -66,10 +66,18 @@ class _GroupPlan:
             self.zero[:, g] = zero[:, 0]
 
 
-def hessian_weighted_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor) -> float:
-    """``tr((W - W_hat) H (W - W_hat)^T)`` computed in float64."""
-    delta = (W.detach().double() - W_hat.detach().double()).to(W.device)
-    return float(((delta @ H.detach().double().to(W.device)) * delta).sum())
+def hessian_weighted_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor, chunk: int = 256) -> float:
+    """``tr((W - W_hat) H (W - W_hat)^T)`` computed in float64.
+
+    ``H`` is converted ``chunk`` columns at a time, so no float64 copy of the whole [K, K] matrix is made.
+    """
+    delta = W.detach().double()
+    delta.sub_(W_hat.detach().to(device=delta.device, dtype=torch.float64))
+    total = torch.zeros((), dtype=torch.float64, device=delta.device)
+    for j0 in range(0, H.shape[1], chunk):
+        h = H[:, j0 : j0 + chunk].detach().to(device=delta.device, dtype=torch.float64)
+        total += ((delta @ h) * delta[:, j0 : j0 + chunk]).sum()
+    return float(total)
 
 
 def _validated(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,15 +100,18 @@ def _fix_dead_columns(W: torch.Tensor, H: torch.Tensor) -> None:
         W[:, dead] = 0
 
 
-def _inverse_cholesky(H: torch.Tensor, damp_abs: float) -> torch.Tensor | None:
-    """Upper Cholesky factor of ``(H + damp_abs I)^-1``, or None when it cannot be computed."""
-    Hd = H.clone()
-    Hd.diagonal().add_(damp_abs)
+def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor | None:
+    """Upper Cholesky factor of ``H^-1`` (``H`` already damped), or None when it cannot be computed.
+
+    Each [K, K] intermediate is dropped as soon as the next one exists: they set the solver's peak memory.
+    """
     try:
-        L, info = torch.linalg.cholesky_ex(Hd)
+        L, info = torch.linalg.cholesky_ex(H)
         if int(info) != 0 or not bool(torch.isfinite(L).all()):
             return None
-        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        inverse = torch.cholesky_inverse(L)
+        del L
+        U, info = torch.linalg.cholesky_ex(inverse, upper=True)
     except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
         return None
     if int(info) != 0 or not bool(torch.isfinite(U).all()):
@@ -109,18 +120,28 @@ def _inverse_cholesky(H: torch.Tensor, damp_abs: float) -> torch.Tensor | None:
 
 
 def _factor_with_retries(H: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor | None, float]:
-    """``U`` and the relative damp that worked; retries grow damp (from at least ``_RETRY_MIN_DAMP``)."""
+    """``U`` and the relative damp that worked; retries grow damp (from at least ``_RETRY_MIN_DAMP``).
+
+    ``H`` is damped in place (no second [K, K] copy); its diagonal is restored exactly before each retry and at
+    the end, so every attempt factors exactly ``H + damp * mean(diag H) * I``.
+    """
     damp = config.damp
     if not bool(torch.isfinite(H).all()):  # Cholesky reads one triangle only: check all of H up front
         return None, damp
-    mean_diag = float(H.diagonal().mean())
-    for attempt in range(config.damp_retries + 1):
-        if attempt:
-            damp = max(damp * config.damp_growth, _RETRY_MIN_DAMP)
-        U = _inverse_cholesky(H, damp * mean_diag)
-        if U is not None:
-            return U, damp
-    return None, damp
+    diagonal = H.diagonal()
+    original = diagonal.clone()
+    mean_diag = float(diagonal.mean())
+    try:
+        for attempt in range(config.damp_retries + 1):
+            if attempt:
+                damp = max(damp * config.damp_growth, _RETRY_MIN_DAMP)
+            diagonal.copy_(original).add_(damp * mean_diag)
+            U = _inverse_cholesky(H)
+            if U is not None:
+                return U, damp
+        return None, damp
+    finally:
+        diagonal.copy_(original)
 
 
 def _plan_groups(
@@ -264,11 +285,15 @@ def gptq_solve(
     diag = H.diagonal().clone()
     k = W.shape[1]
     perm = torch.argsort(diag, descending=True, stable=True) if scheme.act_order else torch.arange(k, device=W.device)
-    U, damp = _factor_with_retries(H[perm][:, perm], config)
+    if scheme.act_order:
+        H = H[perm][:, perm]
+    U, damp = _factor_with_retries(H, config)
+    del H  # only U is needed from here on
     if U is None:
         return _rtn_fallback(W_in.detach().float(), H_in.detach().float(), scheme, scale_dtype, damp, name)
     plan = _plan_groups(W, diag, perm, scheme, scale_dtype)
-    qint, loss = _gptq_loop(W[:, perm].contiguous(), U, diag[perm], plan, scheme, config.block_size, scale_dtype)
-    qweight = qint[:, torch.argsort(perm)].contiguous()
+    W_sorted = W[:, perm].contiguous() if scheme.act_order else W
+    qint, loss = _gptq_loop(W_sorted, U, diag[perm], plan, scheme, config.block_size, scale_dtype)
+    qweight = qint[:, torch.argsort(perm)].contiguous() if scheme.act_order else qint
     weight = QuantizedWeight(qweight=qweight, scale=plan.scale, zero=plan.zero, g_idx=plan.g_idx, scheme=scheme)
     return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=False)

@@ -1,4 +1,5 @@
-"""Handing freed heap memory back to the operating system between blocks and between a block's stages.
+"""Handing freed heap memory back to the operating system between blocks and between a block's stages;
+measuring the process's peak resident set.
 
 glibc keeps freed medium-sized allocations (weights, mini-batch activations) in its arenas; over thirty blocks
 of differently shaped tensors that fragmentation grows the resident set by ~15 MB per block. ``malloc_trim``
@@ -13,6 +14,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
+import sys
 
 
 @functools.cache
@@ -31,3 +34,21 @@ def release_freed_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set, in MiB.
+
+    On Linux, ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` also counts the peak of the process this one
+    was forked from, since the kernel carries the old address space's high-water mark over ``exec`` (a
+    quantize started by a 1.9 GB benchmark process reported 1.9 GB). Elsewhere ``ru_maxrss`` (bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 1024

@@ -16,6 +16,7 @@ import torch
 
 _WORD = 32
 _MASK32 = (1 << 32) - 1
+_CHUNK_ELEMENTS = 1 << 20  # elements per row chunk: int64 temporaries of about 8 MB
 
 
 def packed_words(n: int, bits: int) -> int:
@@ -28,13 +29,31 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"packing supports 1..8 bits, got {bits}")
 
 
+def _rows_per_chunk(cols: int) -> int:
+    """Rows per chunk whose int64 temporaries stay near ``_CHUNK_ELEMENTS`` elements."""
+    return max(1, _CHUNK_ELEMENTS // max(cols, 1))
+
+
 def pack_int32(values: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
-    """Pack a 2-D tensor of signed ``bits``-bit integers into int32 words along ``dim``."""
+    """Pack a 2-D tensor of signed ``bits``-bit integers into int32 words along ``dim``.
+
+    Works through row chunks: the bit arithmetic is done in int64, and whole-matrix temporaries would
+    cost 8 bytes per weight several times over (1 GB for one 11008 x 4096 linear).
+    """
     _check_bits(bits)
     if values.ndim != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {tuple(values.shape)}")
     if dim == 0:
         return pack_int32(values.t(), bits, dim=1).t().contiguous()
+    rows, cols = values.shape
+    out = torch.empty(rows, packed_words(cols, bits), dtype=torch.int32)
+    step = _rows_per_chunk(cols)
+    for start in range(0, rows, step):
+        out[start : start + step] = _pack_rows(values[start : start + step], bits)
+    return out
+
+
+def _pack_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     rows, cols = values.shape
     unsigned = values.to(torch.int64) + (1 << (bits - 1))
     if bool((unsigned < 0).any()) or bool((unsigned >= (1 << bits)).any()):
@@ -62,6 +81,15 @@ def unpack_int32(packed: torch.Tensor, bits: int, n: int, dim: int = 1) -> torch
     rows, nwords = packed.shape
     if nwords != packed_words(n, bits):
         raise ValueError(f"{nwords} words cannot hold exactly {n} elements of {bits} bits")
+    out = torch.empty(rows, n, dtype=torch.int8)
+    step = _rows_per_chunk(n)
+    for start in range(0, rows, step):  # row chunks, as in pack_int32
+        out[start : start + step] = _unpack_rows(packed[start : start + step], bits, n)
+    return out
+
+
+def _unpack_rows(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    rows, nwords = packed.shape
     chunks = math.ceil(n / _WORD)
     words = packed.to(torch.int64) & _MASK32
     words = torch.nn.functional.pad(words, (0, chunks * bits + 1 - nwords)).unfold(1, bits + 1, bits)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import resource
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +26,7 @@ from quantkit.config import CalibrationConfig, QuantizeConfig
 from quantkit.errors import QuantkitError
 from quantkit.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
 from quantkit.grid import quantize_rtn
-from quantkit.memory import release_freed_memory
+from quantkit.memory import peak_rss_mb, release_freed_memory
 from quantkit.progress import progress_bar
 from quantkit.scheme import QuantizedWeight, QuantScheme, with_solver_options
 from quantkit.source_weights import SourceWeights, build_skeleton, config_json, load_module, release_module
@@ -101,7 +100,7 @@ def quantize_model(config: QuantizeConfig, *, on_block_done=None) -> QuantizeRes
         output=output,
         method=config.method,
         seconds=time.perf_counter() - start,
-        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mb=peak_rss_mb(),
         checkpoint_bytes=sum(f.stat().st_size for f in output.glob("*.safetensors")),
         blocks=num_layers,
         resumed_from=resumed_from,
@@ -205,7 +204,8 @@ def _run_blocks(
         for index in range(work.finished, len(layers)):
             prefix = f"{arch.layers_path}.{index}"
             block = layers[index]
-            load_module(block, prefix, weights)
+            # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
+            load_module(block, prefix, weights, dtype=storage if calibration is None else torch.float32)
             quantized, hidden, records = step(block, prefix, hidden)
             work.save_block(index, block_tensors(block, prefix, quantized, storage), hidden, records)
             release_module(block)
@@ -257,14 +257,16 @@ def quantize_block(
     staged = StagedBlock(block, arch, runner, hidden, spill=spill)
     for stage_index, stage in enumerate(arch.sequential_stages):
         in_features = get_module(block, stage[0]).in_features
-        hessian = _stage_hessian(staged, stage_index, in_features if use_hessian else None)
+        stat = _stage_hessian(staged, stage_index, in_features if use_hessian else None)
+        hessian = None if stat is None else stat.hessian()
+        del stat
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         for names, scheme in _same_scheme_runs(stage, schemes):
             linears = [get_module(block, name) for name in names]
             fulls = [f"{prefix}.{name}" for name in names]
             weights = [linear.weight.data for linear in linears]
             if hessian is not None:
-                solved = _solve_stacked(weights, hessian.hessian(), scheme, gptq, storage, fulls)
+                solved = _solve_stacked(weights, hessian, scheme, gptq, storage, fulls)
             else:
                 solved = [
                     (quantize_rtn(w, scheme, scale_dtype=storage), LayerRecord(f, scheme.name, None, None))

@@ -336,7 +336,7 @@ def _quantize_stage(run: _Run, model_path: Path, calib_path: Path, plan_path: Pa
                     "set output.force: true (or --set output.force=true) to replace it"
                 )
             result = quantize_model(config)
-            # ru_maxrss is the process peak: with a kl/hybrid sensitivity stage before, that stage's peak counts
+            # the peak of the whole process: with a kl/hybrid sensitivity stage before, that stage's peak counts
             measured = any(r.name == "sensitivity" and not r.cached for r in run.stages)
             label = "peak RSS MB (process, incl. sensitivity)" if measured else "quantize peak RSS MB"
             run.figures[label] = round(result.peak_rss_mb, 1)

@@ -99,7 +99,7 @@ def load_module(module: nn.Module, prefix: str, weights: SourceWeights, dtype: t
     expected = module.state_dict(keep_vars=True)
     stored_all = weights.get_many([f"{prefix}.{name}" for name in expected])
     for name, tensor in expected.items():
-        stored = stored_all[f"{prefix}.{name}"]
+        stored = stored_all.pop(f"{prefix}.{name}")  # each source tensor freed once converted
         state[name] = stored.to(dtype) if stored.is_floating_point() else stored
         if tuple(stored.shape) != tuple(tensor.shape):
             raise QuantkitError(

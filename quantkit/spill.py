@@ -8,7 +8,7 @@ page cache, not in the process's resident set. The file is removed by :meth:`Spi
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -50,7 +50,7 @@ class SpillFile:
         self._file.write(raw_bytes(tensor.contiguous()))
         self._written.append((tensor.shape, tensor.dtype))
 
-    def read_back(self) -> Iterator[torch.Tensor]:
+    def read_back(self) -> Generator[torch.Tensor]:
         """Yield the tensors written since the last :meth:`rewind`, in order; then rewind.
 
         Tensors of the same shape are read into one buffer: use each before asking for the next.

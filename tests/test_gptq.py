@@ -141,6 +141,21 @@ def test_small_damping_is_retried() -> None:
     assert result.damp >= 1e-4
 
 
+def test_in_place_damping_factors_exactly_the_damped_hessian_and_restores_it() -> None:
+    """Damping is applied to H's own diagonal (no [K, K] copy): a failed attempt must not leak into the next."""
+    from quantkit.gptq import _factor_with_retries, _inverse_cholesky
+
+    x, _ = _correlated(n=8, k=32)  # rank 8 < 32: damp 0 fails, the first retry (damp 1e-4) succeeds
+    h = _hessian(x).double().float()
+    before = h.clone()
+    u, damp = _factor_with_retries(h, GPTQConfig(damp=0.0, damp_retries=2))
+    assert u is not None and damp == 1e-4
+    assert torch.equal(h, before)  # the diagonal is restored bit for bit
+    fresh = before.clone()
+    fresh.diagonal().add_(damp * float(before.diagonal().mean()))
+    assert torch.equal(u, _inverse_cholesky(fresh))
+
+
 def test_inputs_are_not_mutated() -> None:
     x, w = _correlated(k=64)
     x[:, 2] = 0.0  # a dead column: the solver zeroes it on its own copy only
@@ -157,6 +172,7 @@ def test_hessian_weighted_error() -> None:
     w_hat = quantize_rtn(w, QuantScheme(bits=4, group_size=32)).dequantize()
     delta = (w - w_hat).double()
     direct = float(torch.trace(delta @ h.double() @ delta.T))
-    assert hessian_weighted_error(w, w_hat, h) == pytest.approx(direct, rel=1e-10)
+    for chunk in (256, 7):  # one float64 slice of H, or several (the last one short)
+        assert hessian_weighted_error(w, w_hat, h, chunk=chunk) == pytest.approx(direct, rel=1e-10)
     # With H = 2 X^T X / n it is twice the mean squared output error per token.
     assert direct == pytest.approx(2.0 * _output_error(x, w, w_hat) ** 2 / x.shape[0], rel=1e-4)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import build_word_tokenizer
 from safetensors.torch import save_file
@@ -68,10 +69,11 @@ def _write_synthetic_model(path: Path) -> int:
 
 
 BASELINE = """
-import resource, torch, transformers
+import torch, transformers
 from transformers.models.llama import modeling_llama
 import quantkit.pipeline, quantkit.calibration
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+from quantkit.memory import peak_rss_mb
+print(peak_rss_mb())
 """
 
 
@@ -107,3 +109,13 @@ def test_quantizing_needs_far_less_memory_than_the_model(tmp_path):
     print(f"model {model_bytes / 1e6:.0f} MB, baseline {baseline_mb:.0f} MB, peak {peak_mb:.0f} MB")
     assert growth_mb < 0.5 * model_bytes / 2**20, (baseline_mb, peak_mb)
     assert (tmp_path / "out" / "model.safetensors.index.json").is_file()  # sharded at 32 MB
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux's")
+def test_peak_rss_of_a_subprocess_is_its_own_not_its_parents():
+    """ru_maxrss of a forked + exec'd child starts at the parent's peak; the reported peak must not."""
+    ballast = torch.ones(400 * 2**20 // 4)  # 400 MB touched in this (parent) process
+    code = "from quantkit.memory import peak_rss_mb; print(peak_rss_mb())"
+    child_mb = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 5 < child_mb < 200, child_mb  # the interpreter and quantkit.memory, not the 400 MB ballast
+    assert float(ballast[-1]) == 1.0

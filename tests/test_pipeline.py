@@ -82,7 +82,7 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
     buffer = hidden.clone()
     staged = StagedBlock(block, arch, runner, buffer)
     for stage in range(len(arch.sequential_stages)):
-        inputs = list(staged.stage_inputs(stage))
+        inputs = [x.clone() for x in staged.stage_inputs(stage)]  # a yielded batch may be reused
         assert sum(x.shape[0] for x in inputs) == 5
         name = {1: "self_attn.o_proj", 3: "mlp.down_proj"}.get(stage)
         if name is not None:  # captured without running the linear, equal to what a plain forward feeds it
@@ -94,22 +94,39 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
     assert staged._context is None  # o_proj inputs freed once the residual stream is complete
 
 
-def test_spilled_down_inputs_give_a_bit_identical_output_and_the_file_is_reused(tmp_path):
+@pytest.mark.parametrize(
+    ("overrides", "fast_mlp"),
+    [({}, True), ({"mlp_bias": True}, True), ({"hidden_act": "gelu"}, False)],
+    ids=["silu", "silu-bias", "gelu-module-path"],
+)
+def test_spilled_activations_give_a_bit_identical_output_and_the_file_is_reused(tmp_path, overrides, fast_mlp):
+    from helpers_tiny import tiny_llama
+
     from quantkit.spill import SpillFile
     from quantkit.staged_block import StagedBlock
 
-    model, arch, runner, hidden = _first_block_setup(5, torch.bfloat16, seed=2)
+    model = tiny_llama(**overrides)
+    arch = arch_for_model_type("llama")
+    ids = torch.randint(0, 256, (5, 16), generator=torch.Generator().manual_seed(2))
+    runner = BlockRunner.for_model(model, arch, 16, batch_size=2)
+    hidden = embed(model, arch, ids, torch.bfloat16)
     block = model.model.layers[0]
     path = tmp_path / "down.spill"
-    batch_bytes = 5 * 16 * block.mlp.down_proj.in_features * 4  # 5 rows in batches of 2, float32 [b, 16, inter]
+    context_bytes = 5 * 16 * block.self_attn.o_proj.in_features * 2  # bfloat16 [b, 16, hidden], batches of 2
+    down_bytes = 5 * 16 * block.mlp.down_proj.in_features * 4  # float32 [b, 16, intermediate]
 
     def run(spill: SpillFile | None, start: torch.Tensor) -> torch.Tensor:
         staged = StagedBlock(block, arch, runner, start.clone(), spill=spill)
+        assert (staged._gate_up is not None) == fast_mlp
         for stage in range(len(arch.sequential_stages)):
             for _ in staged.stage_inputs(stage):
                 pass
+            if spill is not None and stage == 1:  # the attention context went to disk, not to memory
+                assert staged._context is None
+                context = [shape.numel() * 2 for shape, dtype in spill.written if dtype == torch.bfloat16]
+                assert sum(context) == context_bytes
         if spill is not None:
-            assert path.stat().st_size == batch_bytes
+            assert path.stat().st_size == down_bytes  # overwritten in place: the file never grows past one stage
             assert [shape[0] for shape, _ in spill.written] == [2, 2, 1]
         return staged.output()
 
@@ -118,7 +135,7 @@ def test_spilled_down_inputs_give_a_bit_identical_output_and_the_file_is_reused(
     with SpillFile(path) as spill:
         assert torch.equal(run(spill, hidden), first)
         assert torch.equal(run(spill, first), second)  # the second block overwrites the first one's inputs
-        assert path.stat().st_size == batch_bytes and spill.written == []
+        assert path.stat().st_size == down_bytes and spill.written == []
     assert not path.exists()
 
 

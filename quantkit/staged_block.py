@@ -56,7 +56,7 @@ class StagedBlock:
         self._context_ready = False  # o_proj's stage has run over every batch
         self._context_reader: Generator[torch.Tensor] | None = None  # o_proj inputs read back from the spill file
         self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
-        self.spill = spill  # where down_proj's inputs go, for the output pass (None: recompute them)
+        self.spill = spill  # holds the attention context, then down_proj's inputs (None: kept in memory / recomputed)
         self._spilled_batches = 0
         self._gate_up = _silu_gate_up(self.mlp, arch)  # None: run the MLP module itself to find down's inputs
         self._mlp_scratch: torch.Tensor | None = None  # [2, rows, intermediate]: gate and up products, reused

@@ -12,8 +12,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from quantkit import __version__
-from quantkit.config import CalibrationConfig, EvalConfig
+from quantkit.data.calibration_config import CalibrationConfig
 from quantkit.errors import QuantkitError
+from quantkit.eval.eval_config import EvalConfig
 
 app = typer.Typer(
     name="quantkit",
@@ -62,7 +63,7 @@ def calibrate(
     text_column: Annotated[str, typer.Option(help="Text field of jsonl/json/parquet/HF records.")] = "text",
 ) -> None:
     """Collect calibration token windows (default text: the shipped Jane Austen corpus)."""
-    from quantkit.calibration import build_calibration
+    from quantkit.data.calibration import build_calibration
 
     config = CalibrationConfig(
         model=model,
@@ -111,7 +112,7 @@ def eval_(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the results as one JSON object.")] = None,
 ) -> None:
     """Perplexity, and with --reference: KL divergence (mean, p99) and top-1 agreement."""
-    from quantkit.evaluate import evaluate
+    from quantkit.eval.evaluate import evaluate
 
     config = EvalConfig(
         model=model,
@@ -190,10 +191,11 @@ def quantize(
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
     from dataclasses import asdict
 
-    from quantkit.config import QuantizeConfig
-    from quantkit.evaluate import write_json
-    from quantkit.pipeline import quantize_model
-    from quantkit.scheme import QuantScheme, default_solver_options
+    from quantkit.atomic import write_json
+    from quantkit.format.scheme import QuantScheme
+    from quantkit.quantize.config import QuantizeConfig
+    from quantkit.quantize.methods import default_solver_options
+    from quantkit.quantize.pipeline import quantize_model
 
     if sym is None:
         sym = not method.startswith("awq")  # AWQ defaults to asymmetric, as in AutoAWQ
@@ -267,7 +269,7 @@ def sensitivity(
     mse_clip: Annotated[bool, typer.Option(help="Solve candidates with Hessian-weighted MSE clipping.")] = True,
 ) -> None:
     """Measure each layer's error under each candidate scheme (reusable for any budget)."""
-    from quantkit.sensitivity import SensitivityConfig, measure_sensitivity
+    from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
 
     config = SensitivityConfig(
         model=model,
@@ -310,10 +312,10 @@ def plan(
 ) -> None:
     """Choose a scheme per unit minimising the predicted error under a bit budget (exact)."""
     from quantkit.errors import QuantkitError
-    from quantkit.measurement import load_measurement
-    from quantkit.plan_io import render_plan, save_plan
-    from quantkit.planner import parse_pin
-    from quantkit.planner import plan as make_plan
+    from quantkit.mixed.measurement import load_measurement
+    from quantkit.mixed.plan_file import render_plan, save_plan
+    from quantkit.mixed.planner import parse_pin
+    from quantkit.mixed.planner import plan as make_plan
 
     if (target_bits is None) == (max_size_mb is None):
         raise QuantkitError("give exactly one budget: --target-bits (e.g. 4.5) or --max-size-mb")
@@ -327,7 +329,7 @@ def plan(
             "per weight a plan from `quantkit sensitivity --mode hybrid` beats uniform schemes where proxy plans lost"
         )
     if plot is not None:
-        from quantkit.plan_plot import plot_frontier
+        from quantkit.mixed.plot import plot_frontier
 
         plot_frontier(loaded, chosen, plot)
         out.print(f"plot: {plot}")
@@ -340,9 +342,9 @@ def inspect(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write the report as JSON.")] = None,
 ) -> None:
     """Scheme per layer, bits per weight (scales and zeros counted), size against the original."""
-    from quantkit.evaluate import write_json
-    from quantkit.inspect_checkpoint import inspect_checkpoint, render_report
-    from quantkit.models import resolve_model
+    from quantkit.atomic import write_json
+    from quantkit.format.inspect import inspect_checkpoint, render_report
+    from quantkit.model.resolve import resolve_model
 
     report = inspect_checkpoint(checkpoint, resolve_model(str(reference)) if reference else None)
     out.print(render_report(report))
@@ -359,8 +361,8 @@ def run_(
     report: Annotated[Path | None, typer.Option(help="Report directory (default: <output>/report).")] = None,
 ) -> None:
     """Run a recipe: calibrate, quantize, evaluate, check the gates; exit 1 when a gate fails."""
-    from quantkit.recipe_run import render_tables, run_recipe
-    from quantkit.recipe_schema import load_recipe
+    from quantkit.recipes.run import render_tables, run_recipe
+    from quantkit.recipes.schema import load_recipe
 
     loaded = load_recipe(recipe, list(set_ or []))
     result = run_recipe(loaded, recipe_path=recipe, report_dir=report, console=out)
@@ -384,7 +386,7 @@ def recipe_validate(
     set_: Annotated[list[str] | None, typer.Option("--set", help="Override a key, as for `quantkit run`.")] = None,
 ) -> None:
     """Check a recipe against the schema (keys, types, values, regexes, ${ENV}); print the resolved recipe."""
-    from quantkit.recipe_schema import dump_recipe, load_recipe
+    from quantkit.recipes.schema import dump_recipe, load_recipe
 
     loaded = load_recipe(recipe, list(set_ or []))
     out.print(escape(dump_recipe(loaded)), end="")
@@ -397,7 +399,7 @@ def recipe_new(
     force: Annotated[bool, typer.Option(help="Overwrite an existing file.")] = False,
 ) -> None:
     """Write a commented starting recipe (W4 GPTQ on smollm2-135m) that validates."""
-    from quantkit.recipe_new import write_starter
+    from quantkit.recipes.starter import write_starter
 
     text = write_starter(output, force=force)
     if output is None:
@@ -451,7 +453,7 @@ def smoke(
     """Start the server on loopback, check completion/chat/streaming answers against offline greedy output."""
     import json
 
-    from quantkit.smoke import run_smoke
+    from quantkit.server.smoke import run_smoke
 
     report = run_smoke(checkpoint, prompt or None, max_tokens)
     table = Table(title=f"Serving smoke test of {checkpoint}")

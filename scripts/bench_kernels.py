@@ -78,7 +78,7 @@ def copy_bandwidth(timer: Timer) -> float:
 
 def make_quant_weight(n: int, k: int, bits: int, group_size: int, device: str) -> dict[str, torch.Tensor | None]:
     """Random packed weight in the checkpoint layout (symmetric, no act-order)."""
-    from quantkit.pack import pack_int32
+    from quantkit.format.pack import pack_int32
 
     group = k if group_size == -1 else group_size
     q = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), (n, k), dtype=torch.int32)

@@ -21,15 +21,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.candidates import parse_candidate
-from quantkit.config import EvalConfig, QuantizeConfig
-from quantkit.evaluate import evaluate
-from quantkit.measurement import MODES, load_measurement
-from quantkit.pipeline import quantize_model
-from quantkit.plan_io import save_plan
-from quantkit.planner import plan
-from quantkit.scheme import QuantScheme, default_solver_options, with_solver_options
-from quantkit.sensitivity import SensitivityConfig, measure_sensitivity
+from quantkit.eval.eval_config import EvalConfig
+from quantkit.eval.evaluate import evaluate
+from quantkit.format.scheme import QuantScheme
+from quantkit.mixed.candidates import parse_candidate
+from quantkit.mixed.measurement import MODES, load_measurement
+from quantkit.mixed.plan_file import save_plan
+from quantkit.mixed.planner import plan
+from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
+from quantkit.quantize.config import QuantizeConfig
+from quantkit.quantize.methods import default_solver_options, with_solver_options
+from quantkit.quantize.pipeline import quantize_model
 
 CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
 

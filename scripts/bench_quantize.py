@@ -21,8 +21,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.config import EvalConfig
-from quantkit.evaluate import evaluate
+from quantkit.eval.eval_config import EvalConfig
+from quantkit.eval.evaluate import evaluate
 
 
 @dataclass(frozen=True)

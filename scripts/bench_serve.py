@@ -167,7 +167,7 @@ def main() -> None:
         from transformers import AutoModelForCausalLM
 
         if llm.engine.path.joinpath("config.json").read_text().find("quantization_config") >= 0:
-            from quantkit.quant_linear import load_quantized_model
+            from quantkit.format.loader import load_quantized_model
 
             hf = load_quantized_model(llm.engine.path, dtype=torch.float32)
         else:

@@ -121,7 +121,7 @@ def tiny_bos_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The real default model, converted once into the test cache. Never skipped: CI must run e2e tests."""
-    from quantkit.models import resolve_model
+    from quantkit.model.resolve import resolve_model
 
     return resolve_model("smollm2-135m")
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantkit.grid import quantize_rtn
-from quantkit.scheme import QuantizedWeight, QuantScheme
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.quantize.solvers.grid import quantize_rtn
 
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:

@@ -6,9 +6,10 @@ import pytest
 import torch
 from cli_runner import run_cli
 
-from quantkit.calibration import build_calibration
-from quantkit.config import CalibrationConfig, EvalConfig
-from quantkit.evaluate import evaluate
+from quantkit.data.calibration import build_calibration
+from quantkit.data.calibration_config import CalibrationConfig
+from quantkit.eval.eval_config import EvalConfig
+from quantkit.eval.evaluate import evaluate
 
 pytestmark = pytest.mark.e2e
 

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.models import resolve_model
-from quantkit.quant_linear import read_checkpoint_config
+from quantkit.format.files import read_checkpoint_config
+from quantkit.model.resolve import resolve_model
 from quantkit.runtime.attention_backend import select_backend
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.config import EngineConfig
@@ -266,7 +266,7 @@ def _device_and_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
 
 
 def _try_tokenizer(path: Path) -> Any:
-    from quantkit.models import load_tokenizer
+    from quantkit.model.resolve import load_tokenizer
 
     try:
         return load_tokenizer(path)

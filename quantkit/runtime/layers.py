@@ -18,10 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.checkpoint import G_IDX, PACKED, SCALE, SHAPE, ZERO, read_linear, records_g_idx
 from quantkit.errors import QuantkitError
-from quantkit.pack import packed_words
-from quantkit.scheme import QuantScheme
+from quantkit.format.pack import packed_words
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO, read_linear, records_g_idx
 
 if TYPE_CHECKING:
     from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata

@@ -18,9 +18,10 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from quantkit.checkpoint import SCALE, QuantizationLayout, parse_quantization_config
 from quantkit.errors import QuantkitError, UnsupportedArchitectureError
-from quantkit.quant_linear import read_checkpoint_config, scale_dtypes, shard_files
+from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
+from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
+from quantkit.format.tensors import SCALE
 from quantkit.runtime.attention_backend import AttentionMetadata
 from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from helpers_tiny import rtn_for_tests, tiny_llama
 
-from quantkit.checkpoint import build_quantization_config, parse_quantization_config, save_quantized_model
+from quantkit.format.quantization_config import build_quantization_config, parse_quantization_config
+from quantkit.format.save_model import save_quantized_model
+from quantkit.format.scheme import QuantScheme
 from quantkit.runtime.engine import Engine
 from quantkit.runtime.sampling_params import SamplingParams
-from quantkit.scheme import QuantScheme
 
 QUANT_GROUPS = [
     (QuantScheme(bits=4, group_size=32, symmetric=True), ["Linear"]),

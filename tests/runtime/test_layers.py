@@ -12,11 +12,11 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from quantkit.checkpoint import linear_tensors
 from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import linear_tensors
 from quantkit.runtime.attention_backend import AttentionMetadata, TorchAttentionBackend
 from quantkit.runtime.layers import Linear, RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary
-from quantkit.scheme import QuantScheme
 from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
 
 

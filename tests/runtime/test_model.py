@@ -9,7 +9,7 @@ import torch
 from helpers_tiny import tiny_llama
 
 from quantkit.errors import QuantkitError
-from quantkit.quant_linear import load_quantized_model
+from quantkit.format.loader import load_quantized_model
 from quantkit.runtime.engine import Engine
 from quantkit.runtime.model import ModelConfig, load_model
 from runtime.helpers_runtime import (  # noqa: F401 (one_thread: autouse fixture)

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from quantkit.pack import pack_int32
+from quantkit.format.pack import pack_int32
 from quantkit.runtime.kernels.quant_matmul import (
     QuantMatmulConfig,
     default_config,

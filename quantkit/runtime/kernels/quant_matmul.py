@@ -1,6 +1,6 @@
 """W4A16 / W8A16 matmul reading compressed-tensors ``pack-quantized`` weights directly.
 
-``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` where ``W`` is stored as (see :mod:`quantkit.pack`):
+``y[M, N] = x[M, K] @ dequant(W)^T (+ bias)`` where ``W`` is stored as (see :mod:`quantkit.format.pack`):
 
 - ``weight_packed`` int32 ``[N, ceil(K*b/32)]``: little-endian bit stream along K of ``q + 2**(b-1)``;
 - ``weight_scale`` ``[N, ceil(K/G)]`` (fp16/bf16/fp32);
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from quantkit.pack import packed_words, unpack_int32
+from quantkit.format.pack import packed_words, unpack_int32
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _KERNEL_BITS = (4, 8)

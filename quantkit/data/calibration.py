@@ -1,0 +1,219 @@
+"""Calibration token windows: sample them from documents, save and load them with their provenance."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from quantkit import __version__
+from quantkit.data.calibration_config import CalibrationConfig
+from quantkit.data.sources import load_documents
+from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
+from quantkit.errors import CalibrationError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+FORMAT = "quantkit-calibration/1"
+_DIVERSE_POOL_FACTOR = 8
+
+
+@dataclass(slots=True)
+class CalibrationSet:
+    input_ids: torch.Tensor  # int64 [num_samples, seq_len]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def save(self, path: Path) -> None:
+        """Write under a temporary name, then rename: an interrupted save leaves nothing at ``path``."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            save_file({"input_ids": self.input_ids.to(torch.int32).contiguous()}, str(tmp), metadata=self.metadata)
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    @classmethod
+    def load(cls, path: Path) -> CalibrationSet:
+        if not path.is_file():
+            raise CalibrationError(f"calibration file '{path}' not found; create it with `quantkit calibrate`")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                ids = f.get_tensor("input_ids").long()
+        except Exception as exc:  # safetensors raises several types on foreign files
+            raise CalibrationError(f"'{path}' is not a quantkit calibration file ({exc})") from exc
+        if metadata.get("format") != FORMAT:
+            raise CalibrationError(f"'{path}' is not a quantkit calibration file; create it with `quantkit calibrate`")
+        return cls(input_ids=ids, metadata=metadata)
+
+
+@dataclass(slots=True)
+class CalibrationResult:
+    calibration: CalibrationSet
+    seconds: float
+    documents: int
+    source_tokens: int
+
+
+def build_calibration(config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> CalibrationResult:
+    """Sample ``num_samples`` windows of ``seq_len`` tokens, deterministically for a seed; save if asked.
+
+    ``tokenizer``: ``config.model``'s tokenizer when the caller has it loaded already (else it is loaded here).
+    """
+    from quantkit.model.resolve import load_tokenizer, tokenizer_fingerprint
+
+    config.validate()
+    start = time.perf_counter()
+    if tokenizer is None:
+        tokenizer = load_tokenizer(config.model)
+    docs = load_documents(config.dataset, text_column=config.text_column, render_chat=_chat_renderer(tokenizer))
+    encoded = encode_documents(tokenizer, docs.texts, show_progress=config.show_progress)
+    prefix = bos_prefix(tokenizer)
+    body = config.seq_len - len(prefix)
+    generator = torch.Generator().manual_seed(config.seed)
+    if config.strategy == "document":
+        candidates = document_windows(encoded, body, config.min_length or body, generator)
+    else:
+        stream = join_documents(encoded, tokenizer.eos_token_id)
+        candidates = random_windows(stream, body, _pool_size(config), generator)
+    if config.select == "diverse":
+        chosen = select_diverse(candidates, config.num_samples, config.seed)
+    else:
+        chosen = candidates[: config.num_samples]
+    if len(chosen) < config.num_samples and config.strategy == "document":
+        raise CalibrationError(
+            f"only {len(chosen)} documents have at least {config.min_length or body} tokens, "
+            f"{config.num_samples} were asked for; lower --num-samples or --seq-len, or use --strategy random"
+        )
+    ids = torch.tensor([prefix + window for window in chosen], dtype=torch.long)
+    metadata = {
+        "format": FORMAT,
+        "quantkit_version": __version__,
+        "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
+        "tokenizer_hash": tokenizer_fingerprint(tokenizer),
+        "source": docs.source,
+        "source_hash": docs.content_hash,
+        "params": json.dumps(
+            {
+                "num_samples": config.num_samples,
+                "seq_len": config.seq_len,
+                "seed": config.seed,
+                "strategy": config.strategy,
+                "min_length": config.min_length,
+                "select": config.select,
+                "text_column": config.text_column,
+                "bos": bool(prefix),
+            },
+            sort_keys=True,
+        ),
+    }
+    calibration = CalibrationSet(input_ids=ids, metadata=metadata)
+    if config.output is not None:
+        calibration.save(config.output)
+    return CalibrationResult(calibration, time.perf_counter() - start, len(docs), sum(map(len, encoded)))
+
+
+def _pool_size(config: CalibrationConfig) -> int:
+    return config.num_samples * (_DIVERSE_POOL_FACTOR if config.select == "diverse" else 1)
+
+
+def random_windows(stream: list[int], length: int, count: int, generator: torch.Generator) -> list[list[int]]:
+    """``count`` windows at uniformly random offsets of the token stream."""
+    if len(stream) < length:
+        raise CalibrationError(
+            f"the dataset has {len(stream)} tokens, fewer than one window of {length}; lower --seq-len or add text"
+        )
+    starts = torch.randint(0, len(stream) - length + 1, (count,), generator=generator).tolist()
+    return [stream[s : s + length] for s in starts]
+
+
+def document_windows(
+    docs: list[list[int]], length: int, min_length: int, generator: torch.Generator
+) -> list[list[int]]:
+    """One window per eligible document (at least ``max(min_length, length)`` tokens), in random order."""
+    need = max(min_length, length)
+    eligible = [d for d in docs if len(d) >= need]
+    if not eligible:
+        longest = max(map(len, docs))
+        raise CalibrationError(
+            f"no document has {need} tokens (the longest has {longest}); lower --seq-len/--min-length "
+            "or use --strategy random"
+        )
+    order = torch.randperm(len(eligible), generator=generator).tolist()
+    windows = []
+    for i in order:
+        doc = eligible[i]
+        offset = int(torch.randint(0, len(doc) - length + 1, (1,), generator=generator))
+        windows.append(doc[offset : offset + length])
+    return windows
+
+
+def select_diverse(candidates: list[list[int]], count: int, seed: int) -> list[list[int]]:
+    """Windows that cover the text, one per cluster of similar windows.
+
+    Features: TF-IDF over token ids, reduced with truncated SVD and L2-normalised. Clusters: k-means
+    started from farthest-point (k-center) seeds, so every well-separated region of the text gets a centre
+    however few windows it has; the window nearest each centre is chosen.
+    """
+    if len(candidates) <= count:
+        return candidates
+    import numpy as np
+    from sklearn.cluster import KMeans
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.preprocessing import normalize
+
+    docs = [" ".join(map(str, window)) for window in candidates]
+    sparse = TfidfVectorizer(token_pattern=r"\S+", sublinear_tf=True).fit_transform(docs)
+    components = min(64, sparse.shape[1] - 1, sparse.shape[0] - 1)
+    dense = TruncatedSVD(components, random_state=seed).fit_transform(sparse) if components >= 2 else sparse.toarray()
+    features = normalize(dense)
+    seeds = farthest_points(features, count)
+    kmeans = KMeans(n_clusters=count, init=features[seeds], n_init=1, random_state=seed).fit(features)
+    distances = kmeans.transform(features)
+    chosen: list[int] = []
+    for cluster in range(count):
+        members = np.flatnonzero(kmeans.labels_ == cluster)
+        if len(members):
+            chosen.append(int(members[distances[members, cluster].argmin()]))
+    for index in seeds:  # a cluster emptied by k-means keeps its seed window
+        if len(chosen) < count and index not in chosen:
+            chosen.append(index)
+    return [candidates[i] for i in chosen]
+
+
+def farthest_points(features, count: int) -> list[int]:
+    """Greedy k-center: start nearest the mean, then repeatedly take the point farthest from those taken."""
+    import numpy as np
+
+    first = int(np.linalg.norm(features - features.mean(axis=0), axis=1).argmin())
+    chosen = [first]
+    nearest = np.linalg.norm(features - features[first], axis=1)
+    while len(chosen) < count:
+        index = int(nearest.argmax())
+        chosen.append(index)
+        nearest = np.minimum(nearest, np.linalg.norm(features - features[index], axis=1))
+    return chosen
+
+
+def _chat_renderer(tokenizer):
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    return lambda messages: tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,0 +1,67 @@
+"""QuantLinear (dequantize-on-the-fly Linear over checkpoint tensors) and loading quantized checkpoints."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.format.tensors import SCALE
+from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------------
+
+
+def read_checkpoint_config(path: Path) -> dict:
+    """The parsed config.json of a checkpoint directory."""
+    config_path = Path(path) / "config.json"
+    if not config_path.is_file():
+        raise QuantkitError(f"{path} has no config.json; point to a checkpoint directory")
+    return json.loads(config_path.read_text())
+
+
+def is_quantized_checkpoint(path: Path) -> bool:
+    """True when ``path`` holds a config.json with a compressed-tensors quantization_config."""
+    try:
+        cfg = read_checkpoint_config(Path(path))
+    except (QuantkitError, json.JSONDecodeError, OSError):
+        return False
+    qc = cfg.get("quantization_config")
+    return isinstance(qc, dict) and qc.get("quant_method") == "compressed-tensors"
+
+
+def shard_files(path: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (single file or index)."""
+    path = Path(path)
+    if (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files = [path / f for f in sorted(set(weight_map.values()))]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        raise QuantkitError(f"{path} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+    for f in files:
+        if not f.is_file():
+            raise QuantkitError(f"shard {f.name} listed in {INDEX_FILE} is missing from {path}")
+    return files
+
+
+def scale_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
+    """The stored dtype of every ``weight_scale`` tensor, read from the safetensors headers."""
+    from safetensors import safe_open
+
+    dtypes: dict[str, torch.dtype] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                if key.endswith("." + SCALE):
+                    dtypes[key] = handle.get_slice(key).get_dtype()
+    return {k: _DTYPES.get(v, torch.bfloat16) for k, v in dtypes.items()}
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}

@@ -1,0 +1,157 @@
+"""Size report of a quantized checkpoint: bits per weight per layer and overall, read from headers only."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from safetensors import safe_open
+
+from quantkit.errors import QuantkitError
+from quantkit.format.files import read_checkpoint_config, shard_files
+from quantkit.format.quantization_config import parse_quantization_config
+from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+_BITS = {"BOOL": 1, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "F16": 16, "BF16": 16}
+_BITS |= {"I32": 32, "F32": 32, "U32": 32, "I64": 64, "F64": 64, "U64": 64}
+_QUANT_PARTS = (PACKED, SCALE, ZERO, G_IDX)  # counted in bits per weight (weight_shape is not)
+
+
+@dataclass(slots=True)
+class LayerReport:
+    name: str
+    scheme: str
+    out_features: int
+    in_features: int
+    bits_per_weight: float  # (weight + scale + zero-point + g_idx bits) / (N * K)
+
+
+@dataclass(slots=True)
+class CheckpointReport:
+    path: str
+    layers: list[LayerReport] = field(default_factory=list)
+    quantized_params: int = 0
+    total_params: int = 0
+    avg_bits_per_weight: float = 0.0  # over quantized Linears only
+    checkpoint_bytes: int = 0  # safetensors files on disk
+    dense_bf16_bytes: int = 0
+    dense_from_reference: bool = False  # dense size measured from a reference checkpoint
+
+    @property
+    def compression_ratio(self) -> float:
+        return self.dense_bf16_bytes / self.checkpoint_bytes if self.checkpoint_bytes else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["compression_ratio"] = self.compression_ratio
+        return data
+
+
+@dataclass(slots=True)
+class _TensorInfo:
+    shape: tuple[int, ...]
+    bits: int  # bits per element
+    file: Path
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def total_bits(self) -> int:
+        return self.numel * self.bits
+
+
+def _headers(files: list[Path]) -> dict[str, _TensorInfo]:
+    infos: dict[str, _TensorInfo] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                sl = handle.get_slice(key)
+                dtype = sl.get_dtype()
+                if dtype not in _BITS:
+                    raise QuantkitError(f"tensor {key!r} in {f.name} has unsupported dtype {dtype}")
+                infos[key] = _TensorInfo(tuple(sl.get_shape()), _BITS[dtype], f)
+    return infos
+
+
+def _weight_shape(infos: dict[str, _TensorInfo], key: str) -> tuple[int, int]:
+    if key not in infos:
+        raise QuantkitError(f"checkpoint tensor {key!r} is missing; the checkpoint is incomplete, re-export it")
+    with safe_open(str(infos[key].file), framework="pt") as handle:
+        n, k = handle.get_tensor(key).tolist()
+    return int(n), int(k)
+
+
+def _safetensors_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in shard_files(path))
+
+
+def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointReport:
+    """Per-layer and total bits per weight of a ``pack-quantized`` checkpoint (tensors are not loaded)."""
+    path = Path(path)
+    layout = parse_quantization_config(read_checkpoint_config(path).get("quantization_config") or {})
+    files = shard_files(path)
+    infos = _headers(files)
+    report = CheckpointReport(path=str(path), checkpoint_bytes=_safetensors_bytes(path))
+
+    prefixes = sorted(key.removesuffix("." + PACKED) for key in infos if key.endswith("." + PACKED))
+    consumed: set[str] = set()
+    quant_bits = 0
+    for prefix in prefixes:
+        scheme = layout.scheme_for(prefix)
+        if scheme is None:
+            raise QuantkitError(f"{prefix} is packed but quantization_config gives it no scheme")
+        n, k = _weight_shape(infos, f"{prefix}.{SHAPE}")
+        parts = [f"{prefix}.{p}" for p in (*_QUANT_PARTS, SHAPE) if f"{prefix}.{p}" in infos]
+        bits = sum(infos[p].total_bits for p in parts if not p.endswith(SHAPE))
+        consumed.update(parts)
+        report.layers.append(LayerReport(prefix, scheme.name, n, k, bits / (n * k)))
+        report.quantized_params += n * k
+        quant_bits += bits
+
+    other = sum(info.numel for key, info in infos.items() if key not in consumed)
+    report.total_params = report.quantized_params + other
+    report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0
+    if reference is not None:
+        report.dense_bf16_bytes = _safetensors_bytes(Path(reference))
+        report.dense_from_reference = True
+    else:
+        report.dense_bf16_bytes = 2 * report.total_params
+    return report
+
+
+def _human(nbytes: int) -> str:
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size = nbytes / 1024
+    for unit in ("KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def render_report(report: CheckpointReport) -> Table:
+    """A rich table: one row per quantized layer, totals in the caption."""
+    from rich.table import Table
+
+    table = Table(title=f"Quantized checkpoint {report.path}")
+    for col, justify in (("layer", "left"), ("scheme", "left"), ("N", "right"), ("K", "right"), ("bits/w", "right")):
+        table.add_column(col, justify=justify)
+    for layer in report.layers:
+        table.add_row(
+            layer.name, layer.scheme, str(layer.out_features), str(layer.in_features), f"{layer.bits_per_weight:.3f}"
+        )
+    dense_src = "reference" if report.dense_from_reference else "2 B x params"
+    table.caption = (
+        f"quantized params {report.quantized_params:,} of {report.total_params:,}; "
+        f"avg {report.avg_bits_per_weight:.3f} bits/w; size {_human(report.checkpoint_bytes)} "
+        f"vs bf16 {_human(report.dense_bf16_bytes)} ({dense_src}), x{report.compression_ratio:.2f}"
+    )
+    return table

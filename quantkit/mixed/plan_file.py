@@ -1,0 +1,333 @@
+"""A plan as YAML a person can read and edit, and its validated form ready for ``quantization_config``.
+
+File layout (one rule per unit; a fused unit's rule covers all its modules)::
+
+    model: HuggingFaceTB/SmolLM2-135M
+    mode: proxy
+    budget: {target_bits: 4.5, max_size_mb: null, bits: ..., pins: [{pattern: down_proj, scheme: int8}]}
+    totals: {bits: ..., params: ..., bits_per_weight: ..., size_mb: ..., predicted_error: ...}
+    rules:
+    - target: re:^model\\.layers\\.3\\.self_attn\\.(q_proj|k_proj|v_proj)$
+      scheme: int4-g64
+      predicted_error: 0.0123
+      bits: 1234567
+      params: 552960
+
+A target is an exact module name or ``re:<regex>`` matched with ``re.match`` (compressed-tensors rules).
+Only ``target`` and ``scheme`` drive quantization; ``predicted_error``, ``bits``, ``params``, ``budget`` and
+``totals`` are what the planner predicted and are kept as written (re-run ``quantkit plan`` to refresh them).
+Saving, loading and saving again gives the same text.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantScheme
+from quantkit.mixed.candidates import FP16, all_candidate_names, parse_candidate
+from quantkit.mixed.planner import Plan
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+HEADER = (
+    "# quantkit mixed-precision plan. Edit a rule's `scheme` (int<bits>[-g<group>][-asym] or fp16), then run\n"
+    "# `quantkit quantize --plan <this file>`. predicted_error/bits/params/totals are the planner's predictions.\n"
+)
+TOP_KEYS = ("model", "mode", "budget", "totals", "rules")
+RULE_KEYS = ("target", "scheme", "predicted_error", "bits", "params")
+
+
+@dataclass(slots=True)
+class PlanRule:
+    target: str  # exact module name or "re:<regex>"
+    scheme_name: str  # candidate name, e.g. "int4-g64" or "fp16"
+    predicted_error: float | None = None
+    bits: int | None = None
+    params: int | None = None
+
+    @property
+    def scheme(self) -> QuantScheme | None:
+        return parse_candidate(self.scheme_name)
+
+    def matches(self, module: str) -> bool:
+        if self.target.startswith("re:"):
+            return re.match(self.target[3:], module) is not None
+        return self.target == module
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"target": self.target, "scheme": self.scheme_name}
+        for key in ("predicted_error", "bits", "params"):
+            if getattr(self, key) is not None:
+                data[key] = getattr(self, key)
+        return data
+
+
+@dataclass(slots=True)
+class PlanRules:
+    model: str
+    rules: list[PlanRule]
+    mode: str | None = None
+    budget: dict[str, Any] = field(default_factory=dict)
+    totals: dict[str, Any] = field(default_factory=dict)
+    assignment: dict[str, int] | None = None  # module -> rule index (when loaded with known_modules)
+    unmatched: list[str] = field(default_factory=list)  # known modules no rule covers: left unquantized
+
+    def groups(self) -> list[tuple[QuantScheme, list[str]]]:
+        """(scheme, targets) in first-appearance order: module names when modules are known, else rule targets.
+
+        fp16 rules are not included; see :meth:`ignore`. Ready for ``build_quantization_config(groups, ignore)``.
+        """
+        by_scheme: dict[QuantScheme, list[str]] = {}
+        for scheme, target in self._targets():
+            if scheme is not None:
+                by_scheme.setdefault(scheme, []).append(target)
+        return list(by_scheme.items())
+
+    def ignore(self) -> list[str]:
+        """Modules (or targets) the plan leaves unquantized (fp16 rules)."""
+        return [target for scheme, target in self._targets() if scheme is None]
+
+    def _targets(self) -> list[tuple[QuantScheme | None, str]]:
+        if self.assignment is None:
+            return [(rule.scheme, rule.target) for rule in self.rules]
+        return [(self.rules[i].scheme, module) for module, i in self.assignment.items()]
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"model": self.model}
+        if self.mode is not None:
+            data["mode"] = self.mode
+        data |= {"budget": self.budget, "totals": self.totals, "rules": [r.to_dict() for r in self.rules]}
+        return data
+
+
+# --------------------------------------------------------------------------------------------------
+# Plan -> rules -> YAML
+# --------------------------------------------------------------------------------------------------
+
+
+def module_target(modules: Iterable[str]) -> str:
+    """An anchored ``re:`` target matching exactly ``modules``, e.g. ``re:^a\\.b\\.(q_proj|k_proj)$``."""
+    names = list(modules)
+    if len(names) == 1:
+        return f"re:^{re.escape(names[0])}$"
+    parts = [name.split(".") for name in names]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    prefix = ".".join(parts[0][:common]) + ("." if common else "")
+    rests = "|".join(re.escape(".".join(p[common:])) for p in parts)
+    return f"re:^{re.escape(prefix)}({rests})$"
+
+
+def plan_rules(plan: Plan) -> PlanRules:
+    """The editable rules of a plan: one rule per unit."""
+    budget = {
+        "target_bits": plan.target_bits,
+        "max_size_mb": plan.max_size_mb,
+        "bits": plan.budget_bits,
+        "pins": [{"pattern": p, "scheme": c} for p, c in plan.pins],
+    }
+    totals = {
+        "bits": plan.total_bits,
+        "params": plan.total_params,
+        "bits_per_weight": round(plan.bits_per_weight, 6),
+        "size_mb": round(plan.size_mb, 6),
+        "predicted_error": plan.predicted_error,
+    }
+    rules = [PlanRule(module_target(u.modules), u.candidate, u.error, u.bits, u.params) for u in plan.units]
+    return PlanRules(model=plan.model, rules=rules, mode=plan.mode, budget=budget, totals=totals)
+
+
+def dump_plan(plan: Plan | PlanRules) -> str:
+    rules = plan_rules(plan) if isinstance(plan, Plan) else plan
+    body = yaml.safe_dump(rules.to_dict(), sort_keys=False, default_flow_style=False, width=1000, allow_unicode=True)
+    return HEADER + body
+
+
+def save_plan(plan: Plan | PlanRules, path: Path) -> Path:
+    """Write the plan YAML atomically (temp file in the same directory, then rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(dump_plan(plan))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML -> validated rules
+# --------------------------------------------------------------------------------------------------
+
+
+def load_plan(
+    path: Path,
+    *,
+    known_modules: Iterable[str] | None = None,
+    fused_groups: list[list[str]] | None = None,
+) -> PlanRules:
+    """Read and validate a (possibly hand-edited) plan; errors name the file, the rule index and the problem.
+
+    ``known_modules``: the model's quantizable Linear names; with them every rule must match a module, a
+    module may not get two different schemes, and :meth:`PlanRules.groups` lists module names.
+    ``fused_groups``: full module names that must share a scheme (a member no rule covers counts as fp16).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise QuantkitError(f"plan file {path} does not exist; create it with `quantkit plan`")
+    data = _parse_yaml(path)
+    rules = [_parse_rule(path, i, raw) for i, raw in enumerate(data["rules"])]
+    plan = PlanRules(
+        model=str(data.get("model", "")),
+        rules=rules,
+        mode=data.get("mode"),
+        budget=_mapping(path, data, "budget"),
+        totals=_mapping(path, data, "totals"),
+    )
+    if known_modules is not None:
+        plan.assignment, plan.unmatched = _assign(path, rules, list(known_modules))
+    if fused_groups:
+        _check_fused(path, rules, fused_groups)
+    return plan
+
+
+def _parse_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.MarkedYAMLError as exc:
+        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
+        raise QuantkitError(f"{path}: invalid YAML at line {line}: {exc.problem}; fix the syntax there") from exc
+    except yaml.YAMLError as exc:
+        raise QuantkitError(f"{path}: invalid YAML ({exc}); fix the syntax") from exc
+    if not isinstance(data, dict):
+        raise QuantkitError(f"{path}: a plan must be a YAML mapping with keys {list(TOP_KEYS)}")
+    unknown = [k for k in data if k not in TOP_KEYS]
+    if unknown:
+        raise QuantkitError(f"{path}: unknown top-level key(s) {unknown}; allowed: {list(TOP_KEYS)}")
+    if not isinstance(data.get("rules"), list) or not data["rules"]:
+        raise QuantkitError(f"{path}: `rules` must be a non-empty list of {{target, scheme}} entries")
+    return data
+
+
+def _mapping(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
+    value = data.get(key) or {}
+    if not isinstance(value, dict):
+        raise QuantkitError(f"{path}: `{key}` must be a mapping")
+    return value
+
+
+def _rule_error(path: Path, index: int, raw: Any, problem: str) -> QuantkitError:
+    target = raw.get("target") if isinstance(raw, dict) else None
+    where = f"rule {index}" + (f" (target {target!r})" if isinstance(target, str) else "")
+    return QuantkitError(f"{path}: {where}: {problem}")
+
+
+def _parse_rule(path: Path, index: int, raw: Any) -> PlanRule:
+    if not isinstance(raw, dict):
+        raise _rule_error(path, index, raw, "must be a mapping with `target` and `scheme`")
+    unknown = [k for k in raw if k not in RULE_KEYS]
+    if unknown:
+        raise _rule_error(path, index, raw, f"unknown key(s) {unknown}; allowed: {list(RULE_KEYS)}")
+    target, scheme = raw.get("target"), raw.get("scheme")
+    if not isinstance(target, str) or not target.strip():
+        raise _rule_error(path, index, raw, "needs a `target`: a module name or re:<regex>")
+    if target.startswith("re:"):
+        try:
+            re.compile(target[3:])
+        except re.error as exc:
+            raise _rule_error(path, index, raw, f"invalid regular expression: {exc}") from exc
+    _check_scheme_name(path, index, raw, scheme)
+    for key, kind in (("predicted_error", (int, float)), ("bits", int), ("params", int)):
+        value = raw.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            raise _rule_error(path, index, raw, f"`{key}` must be a number, got {value!r}")
+    return PlanRule(target, scheme, raw.get("predicted_error"), raw.get("bits"), raw.get("params"))
+
+
+def _check_scheme_name(path: Path, index: int, raw: dict[str, Any], scheme: Any) -> None:
+    if not isinstance(scheme, str):
+        raise _rule_error(path, index, raw, f"needs a `scheme` such as int4-g128 or {FP16}")
+    try:
+        parse_candidate(scheme)
+    except QuantkitError:
+        close = difflib.get_close_matches(scheme.strip().lower(), all_candidate_names(), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise _rule_error(
+            path, index, raw, f"unknown scheme {scheme!r}; {hint}use int<bits>[-g<group>][-asym] or {FP16}"
+        ) from None
+
+
+def _assign(path: Path, rules: list[PlanRule], modules: list[str]) -> tuple[dict[str, int], list[str]]:
+    """module -> rule index; every rule must match a module and no module may get two schemes."""
+    assignment: dict[str, int] = {}
+    used = [False] * len(rules)
+    for module in modules:
+        for i, rule in enumerate(rules):
+            if not rule.matches(module):
+                continue
+            used[i] = True
+            first = assignment.setdefault(module, i)
+            if rules[first].scheme != rule.scheme:
+                raise QuantkitError(
+                    f"{path}: module {module!r} is matched by rule {first} ({rules[first].scheme_name}) and rule {i} "
+                    f"({rule.scheme_name}) with different schemes; narrow one target or give both the same scheme"
+                )
+    for i, rule in enumerate(rules):
+        if not used[i]:
+            raise QuantkitError(
+                f"{path}: rule {i} (target {rule.target!r}) matches no module of the model; "
+                "fix the target (module name or re:<regex>, matched from the start) or delete the rule"
+            )
+    return assignment, [m for m in modules if m not in assignment]
+
+
+def _check_fused(path: Path, rules: list[PlanRule], fused_groups: list[list[str]]) -> None:
+    for group in fused_groups:
+        schemes: set[QuantScheme | None] = set()
+        labels = []
+        for module in group:
+            hit = next((i for i, r in enumerate(rules) if r.matches(module)), None)
+            schemes.add(rules[hit].scheme if hit is not None else None)
+            label = f"{rules[hit].scheme_name} (rule {hit})" if hit is not None else f"{FP16} (no rule)"
+            labels.append(f"{module}: {label}")
+        if len(schemes) > 1:
+            raise QuantkitError(
+                f"{path}: fused modules must share one scheme (runtimes load them as one matrix), got "
+                f"{', '.join(labels)}; give them the same scheme"
+            )
+
+
+# --------------------------------------------------------------------------------------------------
+# Display
+# --------------------------------------------------------------------------------------------------
+
+
+def render_plan(plan: Plan) -> Table:
+    """A rich table: one row per unit (pinned units marked *), totals in the caption."""
+    from rich.table import Table
+
+    table = Table(title=f"Mixed-precision plan for {plan.model} ({plan.mode} errors)")
+    for col, justify in (("unit", "left"), ("scheme", "left"), ("bits/w", "right"), ("predicted error", "right")):
+        table.add_column(col, justify=justify)
+    for unit in plan.units:
+        scheme = unit.candidate + (" *" if unit.pinned else "")
+        table.add_row(unit.name, scheme, f"{unit.bits_per_weight:.3f}", f"{unit.error:.4g}")
+    pinned = " (* pinned)" if any(u.pinned for u in plan.units) else ""
+    table.caption = (
+        f"{len(plan.units)} units, {plan.total_params:,} weights: {plan.bits_per_weight:.3f} bits/w, "
+        f"{plan.size_mb:.2f} MB (budget {plan.budget_bits / plan.total_params:.3f} bits/w, "
+        f"{plan.budget_bits / 8e6:.2f} MB; 1 MB = 1e6 bytes); predicted error {plan.predicted_error:.4g}{pinned}"
+    )
+    return table

@@ -1,0 +1,73 @@
+"""Driving a decoder explicitly, block by block: embed the inputs, then run one decoder layer at a time.
+
+No exception stops a forward pass: the pipeline calls the embedding, the rotary module and each decoder layer
+itself. Hidden states between blocks are kept in ``storage_dtype`` and each block computes in float32 on
+mini-batches, so memory holds one block's weights and two activation buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.model.architectures import ArchSpec
+
+BlockForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (block, hidden [B,T,H]) -> [B,T,H]
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    module = root
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def set_module(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(get_module(root, parent) if parent else root, name, value)
+
+
+@dataclass(slots=True)
+class BlockRunner:
+    """Runs decoder layers on hidden states of a fixed sequence length, in float32 mini-batches."""
+
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    batch_size: int = 8
+
+    @classmethod
+    def for_model(cls, model: nn.Module, arch: ArchSpec, seq_len: int, batch_size: int = 8) -> BlockRunner:
+        rotary = get_module(model, arch.rotary_path)
+        probe = torch.zeros(1, seq_len, 1, dtype=torch.float32)
+        positions = torch.arange(seq_len).unsqueeze(0)
+        cos, sin = rotary(probe, positions)
+        return cls((cos.float(), sin.float()), batch_size)
+
+    def __call__(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """One block on a [B, T, H] batch, computed in float32 (causal attention, no cache)."""
+        seq_len = hidden.shape[1]
+        cos, sin = self.position_embeddings
+        out = block(
+            hidden.float(),
+            attention_mask=None,
+            position_embeddings=(cos[:, :seq_len], sin[:, :seq_len]),
+            use_cache=False,
+        )
+        return out[0] if isinstance(out, tuple) else out
+
+    def run(self, block: nn.Module, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The block over all samples, mini-batch by mini-batch; output in ``out_dtype`` (default: input's)."""
+        out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype)
+        with torch.inference_mode():
+            for start in range(0, hidden.shape[0], self.batch_size):
+                stop = start + self.batch_size
+                out[start:stop] = self(block, hidden[start:stop]).to(out.dtype)
+        return out
+
+
+def embed(model: nn.Module, arch: ArchSpec, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The first block's input: the token embeddings of ``input_ids`` [B, T], stored as ``dtype``."""
+    with torch.inference_mode():
+        return get_module(model, arch.embed_path)(input_ids).to(dtype)

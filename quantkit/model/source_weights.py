@@ -1,0 +1,118 @@
+"""Lazy access to a model's safetensors shards, and a skeleton model whose blocks are loaded one at a time.
+
+Only the tensors asked for are read, so a model larger than RAM can be processed block by block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.format.files import shard_files
+from quantkit.format.loader import materialize_meta_buffers
+
+
+class SourceWeights:
+    """Tensor name -> shard, read on demand (in the stored dtype).
+
+    A shard is opened (memory-mapped) only while tensors are read from it: mapped pages count as resident
+    memory, so keeping every shard open would make a pass over the model hold all of it.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.files = shard_files(path)
+        self._where: dict[str, Path] = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as handle:
+                self._where.update(dict.fromkeys(handle.keys(), f))
+
+    def __enter__(self) -> SourceWeights:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.get_many([name])[name]
+
+    def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Several tensors, opening each shard involved once."""
+        missing = [n for n in names if n not in self._where]
+        if missing:
+            raise QuantkitError(f"tensor '{missing[0]}' is missing from the checkpoint at {self.path}")
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self._where[name], []).append(name)
+        out = {}
+        for f, wanted in by_file.items():
+            with safe_open(str(f), framework="pt") as handle:
+                for name in wanted:
+                    out[name] = handle.get_tensor(name).clone()  # own the memory: the mapping closes now
+        return out
+
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the model's float weights (the checkpoint keeps it for unquantized tensors)."""
+        for name in self._where:
+            if name.endswith(".weight"):
+                tensor = self.get(name)
+                if tensor.is_floating_point():
+                    return tensor.dtype
+        raise QuantkitError(f"no floating-point weight found in {self.path}")
+
+    def fingerprint(self) -> str:
+        """Identity of the weights: config plus every shard's safetensors header (names, dtypes, offsets) and size."""
+        digest = hashlib.sha256((self.path / "config.json").read_bytes())
+        for f in self.files:
+            with f.open("rb") as fh:
+                header_len = int.from_bytes(fh.read(8), "little")
+                digest.update(fh.read(header_len))
+            digest.update(str(f.stat().st_size).encode())
+        return digest.hexdigest()[:16]
+
+
+def build_skeleton(path: Path) -> nn.Module:
+    """The model built from config.json on the meta device: no memory for weights until loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(path))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    materialize_meta_buffers(model)  # rotary inv_freq and other non-persistent buffers, on CPU
+    return model.eval()
+
+
+def load_module(module: nn.Module, prefix: str, weights: SourceWeights, dtype: torch.dtype = torch.float32) -> None:
+    """Load ``module``'s parameters and persistent buffers from the shards (cast to ``dtype``)."""
+    state = {}
+    expected = module.state_dict(keep_vars=True)
+    stored_all = weights.get_many([f"{prefix}.{name}" for name in expected])
+    for name, tensor in expected.items():
+        stored = stored_all.pop(f"{prefix}.{name}")  # each source tensor freed once converted
+        state[name] = stored.to(dtype) if stored.is_floating_point() else stored
+        if tuple(stored.shape) != tuple(tensor.shape):
+            raise QuantkitError(
+                f"{prefix}.{name}: checkpoint shape {tuple(stored.shape)} != model {tuple(tensor.shape)}"
+            )
+    module.load_state_dict(state, strict=True, assign=True)
+
+
+def release_module(module: nn.Module) -> None:
+    """Free a module's weights by moving them back to the meta device."""
+    module.to(device="meta")
+
+
+def config_json(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())

@@ -1,0 +1,83 @@
+"""Checkpoint size report: bits per weight and totals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from helpers_tiny import rtn_for_tests
+
+from quantkit.format.inspect import CheckpointReport, inspect_checkpoint, render_report
+from quantkit.format.quantization_config import build_quantization_config
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import linear_tensors
+from quantkit.format.writer import SINGLE_FILE, ShardedWriter
+
+N, K = 64, 576
+
+
+def _write(path: Path, scheme: QuantScheme, extra_params: int = 0, n: int = N, k: int = K) -> Path:
+    """A one-layer checkpoint ("layer.proj", N x K) plus an optional unquantized float tensor."""
+    qw = rtn_for_tests(torch.randn(n, k, generator=torch.Generator().manual_seed(0)), scheme)
+    tensors = linear_tensors("layer.proj", qw, torch.bfloat16)
+    if extra_params:
+        tensors["norm.weight"] = torch.ones(extra_params, dtype=torch.bfloat16)
+    with ShardedWriter(path) as writer:
+        writer.add(tensors)
+        writer.finalize({}, [], quantization_config=build_quantization_config([(scheme, ["Linear"])], []))
+    return path
+
+
+def test_w4_g128_sym_bits_per_weight(tmp_path: Path) -> None:
+    report = inspect_checkpoint(_write(tmp_path / "c", QuantScheme(bits=4, group_size=128), extra_params=100))
+    (layer,) = report.layers
+    assert (layer.name, layer.scheme, layer.out_features, layer.in_features) == ("layer.proj", "w4-g128-sym", N, K)
+    assert layer.bits_per_weight == pytest.approx(4 + 16 * 5 / 576, rel=1e-12)  # 5 bf16 scales per row
+    assert report.avg_bits_per_weight == pytest.approx(layer.bits_per_weight, rel=1e-12)
+    assert report.quantized_params == N * K
+    assert report.total_params == N * K + 100
+    assert report.dense_bf16_bytes == 2 * (N * K + 100) and not report.dense_from_reference
+    assert report.checkpoint_bytes == (tmp_path / "c" / SINGLE_FILE).stat().st_size
+    assert report.compression_ratio == pytest.approx(report.dense_bf16_bytes / report.checkpoint_bytes)
+
+
+def test_asym_adds_zero_point_bits(tmp_path: Path) -> None:
+    report = inspect_checkpoint(_write(tmp_path / "c", QuantScheme(bits=4, group_size=128, symmetric=False)))
+    # zero points: int32 [ceil(64*4/32) = 8, 5] = 64*5 4-bit values
+    assert report.layers[0].bits_per_weight == pytest.approx(4 + 16 * 5 / 576 + 4 * 5 / 576, rel=1e-12)
+
+
+def test_per_channel_w8(tmp_path: Path) -> None:
+    report = inspect_checkpoint(_write(tmp_path / "c", QuantScheme(bits=8, group_size=-1)))
+    assert report.layers[0].scheme == "w8-ch-sym"
+    assert report.layers[0].bits_per_weight == pytest.approx(8 + 16 / K, rel=1e-12)
+
+
+def test_act_order_g_idx_bits(tmp_path: Path) -> None:
+    scheme = QuantScheme(bits=4, group_size=128, act_order=True)
+    report = inspect_checkpoint(_write(tmp_path / "c", scheme))
+    assert report.layers[0].bits_per_weight == pytest.approx(4 + 16 * 5 / 576 + 32 / N, rel=1e-12)
+
+
+def test_padded_words_are_counted(tmp_path: Path) -> None:
+    # K=100 at 3 bits: 300 bits per row, stored in 10 words = 320 bits
+    report = inspect_checkpoint(_write(tmp_path / "c", QuantScheme(bits=3, group_size=-1), n=8, k=100))
+    assert report.layers[0].bits_per_weight == pytest.approx((320 + 16) / 100, rel=1e-12)
+
+
+def test_reference_dir_and_rendering(tmp_path: Path) -> None:
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / SINGLE_FILE).write_bytes(b"x" * 12345)
+    report = inspect_checkpoint(_write(tmp_path / "c", QuantScheme(bits=4, group_size=64)), reference=ref)
+    assert report.dense_bf16_bytes == 12345 and report.dense_from_reference
+    data = report.to_dict()
+    assert json.loads(json.dumps(data))["layers"][0]["name"] == "layer.proj"
+    assert math.isclose(data["compression_ratio"], 12345 / report.checkpoint_bytes)
+    assert isinstance(report, CheckpointReport)
+    pytest.importorskip("rich")
+    table = render_report(report)
+    assert table.row_count == 1 and "bits/w" in [c.header for c in table.columns]

@@ -1,0 +1,303 @@
+"""The OpenAI-compatible server over real loopback HTTP: routes, streaming, errors, backpressure, disconnects, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from cli_runner import run_cli
+from conftest import REPO, save_tiny_model
+
+from quantkit.server import ServeConfig, ServerThread, create_app
+
+openai = pytest.importorskip("openai")
+
+MODEL = "tiny"
+LONG = 1900  # completion tokens for a request that is still running when the test acts on it
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The tiny word-level model with a 2048-token context (long generations for disconnect/drain tests)."""
+    return save_tiny_model(tmp_path_factory.mktemp("serve") / "model", max_position_embeddings=2048)
+
+
+def _config(**kw) -> ServeConfig:
+    return ServeConfig(port=0, served_model_name=MODEL, kv_cache_blocks=256, **kw)
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir):
+    with ServerThread(create_app(model_dir, _config())) as server:
+        yield server
+
+
+@pytest.fixture()
+def client(srv):
+    with httpx.Client(base_url=srv.url, timeout=60) as c:
+        yield c
+
+
+def _events(lines) -> list[str]:
+    """SSE payloads; asserts every non-empty line is a `data: ` line."""
+    out = []
+    for line in lines:
+        if line:
+            assert line.startswith("data: "), line
+            out.append(line[6:])
+    return out
+
+
+def _wait(cond, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _idle(srv) -> bool:
+    eng = srv.state.engine
+    bm = eng.engine.block_manager
+    return eng.num_in_flight == 0 and not eng.engine.has_unfinished() and bm.num_free_blocks == bm.num_blocks
+
+
+# ----------------------------------------------------------------- routes
+def test_health_models_and_metrics(client):
+    assert client.get("/health").json() == {"status": "ok"}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == MODEL
+    client.post("/v1/completions", json={"model": MODEL, "prompt": "the a of", "max_tokens": 4})
+    text = client.get("/metrics").text
+    for series in (
+        'quantkit_requests_total{route="/v1/completions",code="200"}',
+        "quantkit_prompt_tokens_total",
+        "quantkit_generation_tokens_total",
+        "quantkit_num_requests_running",
+        "quantkit_num_requests_waiting",
+        "quantkit_kv_cache_usage_ratio",
+        'quantkit_time_to_first_token_seconds_bucket{le="+Inf"}',
+        "quantkit_time_per_output_token_seconds_count",
+        "process_resident_memory_bytes",
+    ):
+        assert series in text, series
+    assert re.search(r"^quantkit_generation_tokens_total [1-9]", text, re.M)
+
+
+def test_openai_client_completions_and_chat(srv):
+    api = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    done = api.completions.create(model=MODEL, prompt="the a of", max_tokens=6, temperature=0, seed=1, user="u")
+    assert done.object == "text_completion" and done.choices[0].finish_reason in ("stop", "length")
+    assert done.usage.total_tokens == done.usage.prompt_tokens + done.usage.completion_tokens
+    streamed = api.completions.create(model=MODEL, prompt="the a of", max_tokens=6, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == done.choices[0].text
+
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "she was"}]
+    chat = api.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    chunks = list(api.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == chat.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert [m.id for m in api.models.list()] == [MODEL]
+
+
+def test_streaming_framing(client):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "the"}], "max_tokens": 5, "temperature": 0}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        events = _events(resp.iter_lines())
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == MODEL for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] <= 5
+
+
+def test_stop_string_is_cut_streamed_or_not(client):
+    body = {"model": MODEL, "prompt": "she was", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    words = client.post("/v1/completions", json=body).json()["choices"][0]["text"].split()
+    stop = words[2]
+    text = client.post("/v1/completions", json={**body, "stop": [stop]}).json()["choices"][0]
+    assert stop not in text["text"] and text["finish_reason"] == "stop"
+    with client.stream("POST", "/v1/completions", json={**body, "stop": stop, "stream": True}) as resp:
+        events = _events(resp.iter_lines())
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == text["text"]
+
+
+# ----------------------------------------------------------------- errors
+BAD = [
+    ({"model": "other", "prompt": "the"}, "model"),
+    ({"model": MODEL, "prompt": "the", "temperature": -1}, "temperature"),
+    ({"model": MODEL, "prompt": "the", "top_p": 0}, "top_p"),
+    ({"model": MODEL, "prompt": "the", "top_k": 0}, "top_k"),
+    ({"model": MODEL, "prompt": "the", "max_tokens": 0}, "max_tokens"),
+    ({"model": MODEL, "prompt": "the", "n": 2}, "n"),
+    ({"model": MODEL, "prompt": "the", "presence_penalty": 1}, "presence_penalty"),
+    ({"model": MODEL, "prompt": "the", "temperature": "hot"}, "temperature"),
+    ({"model": MODEL, "prompt": ["the", "a"]}, "prompt"),
+    ({"model": MODEL, "prompt": [5, 99999]}, "prompt"),
+    ({"model": MODEL, "prompt": "the " * 2100}, "prompt"),
+    ({"model": MODEL}, "prompt"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_bad_requests_get_400_error_objects(client, body, param):
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_malformed_json_and_bad_chat(client):
+    resp = client.post("/v1/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert resp.status_code == 400 and "malformed JSON" in resp.json()["error"]["message"]
+    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    long = {"model": MODEL, "messages": [{"role": "user", "content": "a " * 2100}]}
+    assert client.post("/v1/chat/completions", json=long).json()["error"]["code"] == "context_length_exceeded"
+    assert client.get("/v1/nothing").json()["error"]["type"] == "not_found_error"
+
+
+def test_api_key(model_dir):
+    with ServerThread(create_app(model_dir, _config(api_key="sekret"))) as srv:
+        assert httpx.get(f"{srv.url}/health").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            for route in ("/v1/models", "/metrics"):
+                resp = httpx.get(srv.url + route, headers=headers)
+                assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        body = {"model": MODEL, "prompt": "the", "max_tokens": 2}
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 401
+        api = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sekret", max_retries=0, timeout=60)
+        assert api.completions.create(**body).choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{srv.url}/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_full_queue_gets_429_then_recovers(model_dir):
+    app = create_app(model_dir, _config(max_num_seqs=1, max_queue=1))
+    with ServerThread(app) as srv:
+        srv.state.engine.pause()  # a blocked engine: requests pile up
+        body = {"model": MODEL, "prompt": "the a", "max_tokens": 3}
+        codes: list[int] = []
+
+        def post() -> None:
+            codes.append(httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).status_code)
+
+        threads = [threading.Thread(target=post) for _ in range(2)]
+        for t in threads:
+            t.start()
+        assert _wait(lambda: srv.state.engine.num_in_flight == 2)
+        resp = httpx.post(f"{srv.url}/v1/completions", json=body)
+        assert resp.status_code == 429 and resp.json()["error"]["code"] == "queue_full"
+        srv.state.engine.resume()
+        for t in threads:
+            t.join(30)
+        assert codes == [200, 200]
+        assert httpx.post(f"{srv.url}/v1/completions", json=body).status_code == 200
+        assert 'quantkit_requests_total{route="/v1/completions",code="429"} 1' in httpx.get(f"{srv.url}/metrics").text
+
+
+# ----------------------------------------------------------------- disconnects and shutdown
+def test_disconnect_mid_stream_aborts_and_frees_blocks(srv, client):
+    body = {"model": MODEL, "prompt": "the a of", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+    with client.stream("POST", "/v1/completions", json=body) as resp:
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line).startswith("data: ")
+        assert srv.state.engine.engine.has_unfinished()
+    assert _wait(lambda: _idle(srv)), "the aborted request kept its sequence or blocks"
+    metrics = client.get("/metrics").text
+    assert "quantkit_num_requests_running 0" in metrics and "quantkit_num_requests_in_flight 0" in metrics
+
+
+def test_disconnect_while_waiting_for_a_full_response_aborts(srv):
+    body = {"model": MODEL, "prompt": "the a of", "max_tokens": LONG, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{srv.url}/v1/completions", json=body, timeout=0.3)
+    assert _wait(lambda: _idle(srv)), "the abandoned request kept running"
+
+
+def test_sigterm_drains_then_exits_zero(model_dir):
+    cmd = [sys.executable, "-m", "quantkit", "serve", str(model_dir), "--port", "0", "--served-model-name", MODEL]
+    cmd += ["--kv-cache-blocks", "256", "--drain-timeout", "60"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    try:
+        url = _read_url(proc, timeout=120)
+        body = {"model": MODEL, "prompt": "she was", "max_tokens": LONG, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line)
+            proc.send_signal(signal.SIGTERM)
+            assert _wait(lambda: httpx.get(f"{url}/health").status_code == 503, 10)
+            refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False, "max_tokens": 2})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            events = [first[6:], *_events(lines)]
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _read_url(proc: subprocess.Popen, timeout: float) -> str:
+    """The URL from the server's `serving ... at http://...` line."""
+    found: list[str] = []
+
+    def read() -> None:
+        for line in proc.stdout:
+            match = re.search(r"at (http://\S+)", line)
+            if match:
+                found.append(match.group(1))
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if not found:
+        proc.kill()
+        raise AssertionError(f"the server did not start: {proc.stderr.read()[-2000:]}")
+    return found[0]
+
+
+def test_serving_imports_no_solver_code():
+    code = (
+        "import sys, quantkit.server.app, quantkit.server.runner, quantkit.server.smoke;"
+        "print([m for m in sys.modules if m.split('.')[-1] in "
+        "('gptq', 'awq', 'calibration', 'sensitivity', 'planner', 'pipeline', 'datasets', 'sklearn')])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_serve_cli_refuses_a_bad_model(tmp_path, capsys):
+    code, _, err = run_cli(["serve", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "not found" in err
+    code, _, err = run_cli(["serve", str(tmp_path), "--max-queue", "-1"], capsys)
+    assert code == 2 and "max_queue" in err

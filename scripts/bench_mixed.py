@@ -21,17 +21,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.eval.eval_config import EvalConfig
-from quantkit.eval.evaluate import evaluate
-from quantkit.format.scheme import QuantScheme
+from quantkit.data.calibration import CalibrationConfig
+from quantkit.eval.evaluate import EvalConfig, evaluate
 from quantkit.mixed.candidates import parse_candidate
 from quantkit.mixed.measurement import MODES, load_measurement
+from quantkit.mixed.plan_apply import planned_schemes
 from quantkit.mixed.plan_file import save_plan
 from quantkit.mixed.planner import plan
 from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
-from quantkit.quantize.config import QuantizeConfig
-from quantkit.quantize.methods import default_solver_options, with_solver_options
-from quantkit.quantize.pipeline import quantize_model
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods import resolve_scheme, with_solver_options
+from quantkit.quantization.pipeline import quantize_model
 
 CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
 
@@ -78,26 +78,23 @@ def main() -> None:
     console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
     budgets = [float(b) for b in args.budgets.split(",")]
     candidates = args.candidates.split(",")
-    options = QuantScheme(**default_solver_options(args.method))
+    options = resolve_scheme(args.method)  # the method's solver options (act-order, MSE clip) for every run
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        calib_kw = {"num_samples": args.samples, "seq_len": args.seq_len}
+        calibration = CalibrationConfig(num_samples=args.samples, seq_len=args.seq_len)
         start = time.perf_counter()
         if args.measurement is not None:
             measurement = load_measurement(args.measurement)
             candidates = measurement.candidates
         else:
-            measurement = measure_sensitivity(
-                SensitivityConfig(
-                    model=args.model,
-                    candidates=candidates,
-                    mode=args.mode,
-                    act_order=options.act_order,
-                    mse_clip=options.mse_clip,
-                    output=args.save_measurement,
-                    **calib_kw,
-                )
+            config = SensitivityConfig(
+                candidates=candidates,
+                mode=args.mode,
+                act_order=options.act_order,
+                mse_clip=options.mse_clip,
+                calibration=calibration,
             )
+            measurement = measure_sensitivity(args.model, config, args.save_measurement)
         sensitivity_s = measurement.metadata.get("seconds", time.perf_counter() - start)
         uniform_names = args.uniform.split(",") if args.uniform else [c for c in candidates if c != "fp16"]
         params = measurement.total_params
@@ -106,11 +103,10 @@ def main() -> None:
             out = root / name
             quant_kw.setdefault("scheme", options)  # a plan's schemes take the run's solver options
             t0 = time.perf_counter()
-            quantize_model(QuantizeConfig(model=args.model, output=out, method=args.method, **calib_kw, **quant_kw))
+            config = QuantizeConfig.for_method(args.method, calibration=calibration, **quant_kw)
+            quantize_model(args.model, config, out)
             quantize_s = round(time.perf_counter() - t0, 1)
-            e = evaluate(
-                EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
-            )
+            e = evaluate(out, EvalConfig(max_windows=args.eval_windows, reference=args.model, show_progress=False))
             return {"perplexity": e.perplexity, "kl": e.kl_mean, "top1": e.top1_agreement, "quantize_s": quantize_s}
 
         uniform: dict[str, dict] = {}
@@ -129,7 +125,7 @@ def main() -> None:
         for budget in budgets:
             chosen = plan(measurement, target_bits=budget)
             plan_file = save_plan(chosen, root / f"plan-{budget}.yaml")
-            result = run(f"plan-{budget}", plan=plan_file)
+            result = run(f"plan-{budget}", planned=planned_schemes(plan_file, args.model))
             fits = {k: v for k, v in uniform.items() if v["bpw"] <= budget}
             best = min(fits.items(), key=lambda kv: kv[1]["kl"]) if fits else None
             rows.append(

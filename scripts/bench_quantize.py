@@ -21,8 +21,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from quantkit.eval.eval_config import EvalConfig
-from quantkit.eval.evaluate import evaluate
+from quantkit.eval.evaluate import EvalConfig, evaluate
 
 
 @dataclass(frozen=True)
@@ -91,16 +90,14 @@ def main() -> None:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c.scheme in wanted]
     console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
-    base = evaluate(EvalConfig(model=args.model, max_windows=args.eval_windows, show_progress=False))
+    base = evaluate(args.model, EvalConfig(max_windows=args.eval_windows, show_progress=False))
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for case in cases:
             console.print(f"[bold]{case.method} {case.scheme}[/]")
             out = Path(tmp) / f"{case.method}-{case.scheme}"
             q = quantize(case, args.model, out, args.samples, args.seq_len)
-            e = evaluate(
-                EvalConfig(model=str(out), max_windows=args.eval_windows, reference=args.model, show_progress=False)
-            )
+            e = evaluate(out, EvalConfig(max_windows=args.eval_windows, reference=args.model, show_progress=False))
             rows.append(
                 {
                     "method": case.method,

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.quantize.solvers.grid import quantize_rtn
+from quantkit.quantization.solvers.grid import quantize_rtn
 
 
 def tiny_llama_config(**overrides: object) -> LlamaConfig:

@@ -6,10 +6,8 @@ import pytest
 import torch
 from cli_runner import run_cli
 
-from quantkit.data.calibration import build_calibration
-from quantkit.data.calibration_config import CalibrationConfig
-from quantkit.eval.eval_config import EvalConfig
-from quantkit.eval.evaluate import evaluate
+from quantkit.data.calibration import CalibrationConfig, build_calibration
+from quantkit.eval.evaluate import EvalConfig, evaluate
 
 pytestmark = pytest.mark.e2e
 
@@ -22,9 +20,9 @@ def test_converted_model_is_smollm2(smollm2_dir):
 
 
 def test_heldout_perplexity_is_reproducible_and_sensible(smollm2_dir):
-    config = EvalConfig(model="smollm2-135m", seq_len=512, max_windows=4, show_progress=False)
-    first = evaluate(config)
-    second = evaluate(config)
+    config = EvalConfig(seq_len=512, max_windows=4, show_progress=False)
+    first = evaluate("smollm2-135m", config)
+    second = evaluate("smollm2-135m", config)
     assert first.tokens == 4 * 511
     assert first.perplexity == second.perplexity
     assert 20.0 < first.perplexity < 80.0  # measured 43.3 over 40 windows
@@ -32,8 +30,8 @@ def test_heldout_perplexity_is_reproducible_and_sensible(smollm2_dir):
 
 def test_calibration_on_the_shipped_corpus_is_deterministic(smollm2_dir, tmp_path):
     config = CalibrationConfig(num_samples=16, seq_len=512, seed=3, show_progress=False)
-    a = build_calibration(config).calibration
-    b = build_calibration(config).calibration
+    a = build_calibration("smollm2-135m", config).calibration
+    b = build_calibration("smollm2-135m", config).calibration
     assert a.input_ids.shape == (16, 512) and torch.equal(a.input_ids, b.input_ids)
     assert a.metadata["source"] == "shipped:austen_calibration.jsonl"
 

@@ -1,0 +1,1 @@
+"""Text to token windows: sources (local files, HF datasets), tokenization, calibration sets."""

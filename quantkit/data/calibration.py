@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -14,16 +15,46 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit import __version__
-from quantkit.data.calibration_config import CalibrationConfig
 from quantkit.data.sources import load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
-from quantkit.errors import CalibrationError
+from quantkit.errors import CalibrationError, QuantkitError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 FORMAT = "quantkit-calibration/1"
 _DIVERSE_POOL_FACTOR = 8
+
+
+STRATEGIES = ("random", "document")
+SELECTIONS = ("random", "diverse")
+
+
+@dataclass
+class CalibrationConfig:
+    """Which token windows to draw; the model (its tokenizer) is the caller's argument."""
+
+    dataset: str | None = None  # file, directory or HF dataset; None: the shipped calibration corpus
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    strategy: str = "random"  # random windows over the joined text, or one window per document
+    min_length: int | None = None  # document strategy: minimum document length in tokens (default seq_len)
+    select: str = "random"  # or "diverse": TF-IDF + MiniBatchKMeans coverage of the text
+    text_column: str = "text"
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.num_samples < 1:
+            raise QuantkitError(f"--num-samples must be at least 1, got {self.num_samples}")
+        if self.seq_len < 2:
+            raise QuantkitError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.strategy not in STRATEGIES:
+            raise QuantkitError(f"unknown strategy '{self.strategy}'; use one of {', '.join(STRATEGIES)}")
+        if self.select not in SELECTIONS:
+            raise QuantkitError(f"unknown selection '{self.select}'; use one of {', '.join(SELECTIONS)}")
+        if self.min_length is not None and self.min_length < 1:
+            raise QuantkitError(f"--min-length must be positive, got {self.min_length}")
 
 
 @dataclass(slots=True)
@@ -38,6 +69,10 @@ class CalibrationSet:
     @property
     def seq_len(self) -> int:
         return int(self.input_ids.shape[1])
+
+    def fingerprint(self) -> str:
+        """Identity of the token windows (what a quantization run's statistics depend on)."""
+        return hashlib.sha256(self.input_ids.numpy().tobytes()).hexdigest()[:16]
 
     def save(self, path: Path) -> None:
         """Write under a temporary name, then rename: an interrupted save leaves nothing at ``path``."""
@@ -72,17 +107,21 @@ class CalibrationResult:
     source_tokens: int
 
 
-def build_calibration(config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase | None = None) -> CalibrationResult:
-    """Sample ``num_samples`` windows of ``seq_len`` tokens, deterministically for a seed; save if asked.
-
-    ``tokenizer``: ``config.model``'s tokenizer when the caller has it loaded already (else it is loaded here).
-    """
+def build_calibration(
+    model: str | Path,
+    config: CalibrationConfig,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    output: Path | None = None,
+) -> CalibrationResult:
+    """Sample ``num_samples`` windows of ``seq_len`` tokens of ``model``'s tokenizer, deterministically for a seed;
+    saved to ``output`` when given. ``tokenizer``: the model's, when the caller has it loaded already."""
     from quantkit.model.resolve import load_tokenizer, tokenizer_fingerprint
 
     config.validate()
     start = time.perf_counter()
     if tokenizer is None:
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = load_tokenizer(model)
     docs = load_documents(config.dataset, text_column=config.text_column, render_chat=_chat_renderer(tokenizer))
     encoded = encode_documents(tokenizer, docs.texts, show_progress=config.show_progress)
     prefix = bos_prefix(tokenizer)
@@ -125,8 +164,8 @@ def build_calibration(config: CalibrationConfig, tokenizer: PreTrainedTokenizerB
         ),
     }
     calibration = CalibrationSet(input_ids=ids, metadata=metadata)
-    if config.output is not None:
-        calibration.save(config.output)
+    if output is not None:
+        calibration.save(Path(output))
     return CalibrationResult(calibration, time.perf_counter() - start, len(docs), sum(map(len, encoded)))
 
 

@@ -6,18 +6,41 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
-from quantkit.atomic import write_json
 from quantkit.data.sources import DEFAULT_EVALUATION, load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
 from quantkit.errors import QuantkitError
-from quantkit.eval.eval_config import EvalConfig
 from quantkit.eval.logit_metrics import RunningMetrics, token_nll
 from quantkit.progress import progress_bar
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # input_ids [B, T] -> logits [B, T, V]
+
+
+@dataclass
+class EvalConfig:
+    """How to evaluate; the model is the caller's argument."""
+
+    dataset: str | None = None  # file, directory or HF dataset; None: the shipped held-out evaluation text
+    seq_len: int = 512
+    max_windows: int | None = None  # None: every window of the text
+    stride: int | None = None  # None: non-overlapping windows
+    reference: str | None = None  # a model to measure KL divergence and top-1 agreement against
+    text_column: str = "text"
+    batch_size: int = 4
+    show_progress: bool = True
+
+    def validate(self) -> None:
+        if self.seq_len < 2:
+            raise QuantkitError(f"--seq-len must be at least 2, got {self.seq_len}")
+        if self.max_windows is not None and self.max_windows < 1:
+            raise QuantkitError(f"--max-windows must be at least 1, got {self.max_windows}")
+        if self.stride is not None and not 1 <= self.stride <= self.seq_len:
+            raise QuantkitError(f"--stride must be between 1 and --seq-len ({self.seq_len}), got {self.stride}")
+        if self.batch_size < 1:
+            raise QuantkitError(f"--batch-size must be at least 1, got {self.batch_size}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,14 +133,17 @@ def model_logits_fn(model) -> LogitsFn:
     return run
 
 
-def evaluate(config: EvalConfig) -> EvalResult:
-    """Evaluate ``config.model`` on held-out text; write JSON when ``config.json_path`` is set."""
+def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
+    """Perplexity of ``model`` (a float model or a quantized checkpoint) on held-out text; with
+    ``config.reference``, KL divergence and top-1 agreement against that model."""
     from quantkit.model.resolve import arch_for_dir, load_model, load_tokenizer, resolve_model, tokenizer_fingerprint
 
+    config = config or EvalConfig()
     config.validate()
+    name = str(model)
     start = time.perf_counter()
-    arch_for_dir(resolve_model(config.model))  # an unsupported architecture fails before any work
-    tokenizer = load_tokenizer(config.model)
+    arch_for_dir(resolve_model(name))  # an unsupported architecture fails before any work
+    tokenizer = load_tokenizer(name)
     dataset = config.dataset if config.dataset is not None else str(DEFAULT_EVALUATION)
     docs = load_documents(dataset, text_column=config.text_column)
     stream = join_documents(
@@ -126,25 +152,25 @@ def evaluate(config: EvalConfig) -> EvalResult:
     prefix = bos_prefix(tokenizer)
     stride = config.stride or config.seq_len - len(prefix)
     windows = make_windows(stream, config.seq_len, stride, prefix, config.max_windows)
-    model = load_model(config.model)
+    loaded = load_model(name)
     reference_fn = None
     if config.reference is not None:
         if tokenizer_fingerprint(load_tokenizer(config.reference)) != tokenizer_fingerprint(tokenizer):
             raise QuantkitError(
-                f"reference '{config.reference}' uses a different tokenizer from '{config.model}'; "
+                f"reference '{config.reference}' uses a different tokenizer from '{name}'; "
                 "KL divergence needs the same vocabulary"
             )
         reference_fn = model_logits_fn(load_model(config.reference))
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     metrics = score_windows(
-        model_logits_fn(model),
+        model_logits_fn(loaded),
         windows,
         reference_fn=reference_fn,
         batch_size=config.batch_size,
         show_progress=config.show_progress,
     )
     result = EvalResult(
-        model=config.model,
+        model=name,
         dataset=docs.source if config.dataset is not None else f"shipped:{DEFAULT_EVALUATION.name}",
         dataset_hash=docs.content_hash,
         seq_len=config.seq_len,
@@ -158,6 +184,4 @@ def evaluate(config: EvalConfig) -> EvalResult:
     if reference_fn is not None:
         result.kl_mean, result.kl_p99, result.top1_agreement = metrics.kl_summary()
     result.seconds = time.perf_counter() - start
-    if config.json_path is not None:
-        write_json(config.json_path, result.to_dict())
     return result

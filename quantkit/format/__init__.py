@@ -1,0 +1,2 @@
+"""The checkpoint format, knowing no algorithm: schemes, bit packing, compressed-tensors tensors and
+``quantization_config``, the atomic sharded writer, the Hugging Face-side QuantLinear loader, inspection."""

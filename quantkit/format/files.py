@@ -1,4 +1,6 @@
-"""QuantLinear (dequantize-on-the-fly Linear over checkpoint tensors) and loading quantized checkpoints."""
+"""The files of a checkpoint directory: config.json, the safetensors shards (single file or index), and
+the stored dtype of every scale (read from the safetensors headers, without loading tensors).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +13,6 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.format.tensors import SCALE
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
-
-# --------------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------------
 
 
 def read_checkpoint_config(path: Path) -> dict:

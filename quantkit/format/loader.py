@@ -1,4 +1,6 @@
-"""QuantLinear (dequantize-on-the-fly Linear over checkpoint tensors) and loading quantized checkpoints."""
+"""Loading a ``pack-quantized`` checkpoint into a Hugging Face model: built on the meta device, targeted
+Linears swapped for :class:`QuantLinear` from the ``quantization_config``, then loaded with ``assign=True``.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""QuantLinear (dequantize-on-the-fly Linear over checkpoint tensors) and loading quantized checkpoints."""
+"""QuantLinear: a Linear over a checkpoint's packed tensors that dequantizes its weight on the fly."""
 
 from __future__ import annotations
 

@@ -1,12 +1,5 @@
-"""compressed-tensors ``pack-quantized`` checkpoints: per-Linear tensors, quantization_config, sharded writer.
-
-Tensors of one quantized Linear (N out, K in, G groups, b bits), named ``<prefix>.<name>``:
-
-- ``weight_packed``      int32 [N, ceil(K*b/32)]   q packed along K (see :mod:`quantkit.format.pack`)
-- ``weight_scale``       storage dtype [N, G]      ([N, 1] per-channel)
-- ``weight_zero_point``  int32 [ceil(N*b/32), G]   asymmetric only; zero points packed along N (dim 0)
-- ``weight_shape``       int64 [2]                 (N, K)
-- ``weight_g_idx``       int32 [K]                 act-order without static groups only
+"""The ``quantization_config`` of config.json: written from (scheme, targets) groups, and parsed into
+which scheme each module gets.
 
 Target matching follows compressed-tensors: a target is a class name (any class in the module's MRO), an
 exact module name, or ``re:<pattern>`` matched with ``re.match`` (anchored at the start only). ``ignore``

@@ -21,7 +21,7 @@ from quantkit.errors import QuantkitError
 SUPPORTED_BITS = (2, 3, 4, 8)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(frozen=True)
 class QuantScheme:
     bits: int = 4
     group_size: int = 128  # -1: one group per output channel

@@ -1,4 +1,5 @@
-"""compressed-tensors ``pack-quantized`` checkpoints: per-Linear tensors, quantization_config, sharded writer.
+"""The checkpoint tensors of one quantized Linear, written and read back (compressed-tensors
+``pack-quantized``).
 
 Tensors of one quantized Linear (N out, K in, G groups, b bits), named ``<prefix>.<name>``:
 
@@ -7,12 +8,6 @@ Tensors of one quantized Linear (N out, K in, G groups, b bits), named ``<prefix
 - ``weight_zero_point``  int32 [ceil(N*b/32), G]   asymmetric only; zero points packed along N (dim 0)
 - ``weight_shape``       int64 [2]                 (N, K)
 - ``weight_g_idx``       int32 [K]                 act-order without static groups only
-
-Target matching follows compressed-tensors: a target is a class name (any class in the module's MRO), an
-exact module name, or ``re:<pattern>`` matched with ``re.match`` (anchored at the start only). ``ignore``
-uses the same rules. When several targets match, exact names win over regexes, regexes over class
-names, ties broken by the target string's sort order; a target listed in several groups belongs to the
-last of them.
 """
 
 from __future__ import annotations

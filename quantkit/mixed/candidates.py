@@ -22,6 +22,7 @@ from quantkit.format.tensors import records_g_idx
 FP16 = "fp16"
 DENSE_BITS = 16  # an unquantized (fp16/bf16) weight
 GROUP_SIZES = (32, 64, 128)
+DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", FP16)  # what sensitivity measures
 STANDARD_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "int8-g128", "int3-g64", "int4-g64-asym", FP16)
 SYNTAX = "int<bits>[-g<group>][-asym] (bits 2, 3, 4, 8; group 32, 64, 128; no -g: per-channel) or fp16"
 

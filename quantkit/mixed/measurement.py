@@ -6,25 +6,32 @@ reconstruction error, "kl": KL divergence of the model output, "hybrid": proxy r
 KL) and exact storage bits (as on disk).
 
 File: JSON ``{"format": "quantkit-measurement", "version": 1, "model", "mode", "candidates", "units",
-"metadata"}``, written to a temp name and renamed into place. :func:`load_measurement` validates everything
-and names the offending entry, e.g. ``units[3].options['int4-g64'].bits``.
+"metadata"}``, written to a temp name and renamed into place. :class:`MeasurementFile` is its schema;
+:func:`load_measurement` validates everything and names the line and the offending entry, e.g.
+``sens.json:57: units[3] (model.layers.0.mlp.down_proj).options['int4-g64'].bits``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field, model_validator
 
 from quantkit.errors import QuantkitError
 from quantkit.mixed.candidates import parse_candidate
+from quantkit.schemas.fields import FileModel, one_of
+from quantkit.schemas.located import load_json, plain
+from quantkit.schemas.validate import rule_error, validate
 
 FORMAT = "quantkit-measurement"
 VERSION = 1
 MODES = ("proxy", "kl", "hybrid")
+_FIX = "re-run `quantkit sensitivity` or fix the file"
+_ITEM_LABELS = {"units": "{name}"}
 
 
 @dataclass(slots=True)
@@ -55,7 +62,7 @@ class Measurement:
 
     def validate(self, source: str = "measurement") -> None:
         """Raise QuantkitError naming the first inconsistency (same checks as loading a file)."""
-        _check_measurement(self, source)
+        validate(MeasurementFile, self.to_dict(), source, fix=_FIX, item_labels=_ITEM_LABELS)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,8 +81,86 @@ def _unit_dict(unit: UnitMeasurement) -> dict[str, Any]:
     return {"name": unit.name, "modules": list(unit.modules), "params": unit.params, "options": options}
 
 
+# --------------------------------------------------------------------------------------------------
+# The file schema
+# --------------------------------------------------------------------------------------------------
+
+
+def _known_candidate(name: str) -> str:
+    parse_candidate(name)  # raises (a ValueError) with the candidate syntax for an unknown name
+    return name
+
+
+CandidateName = Annotated[str, AfterValidator(_known_candidate)]
+_Name = Annotated[str, Field(min_length=1)]
+_Format = one_of([FORMAT])
+_Version = one_of([VERSION])
+_Mode = one_of(MODES)
+
+
+class CostEntry(FileModel):
+    error: float = Field(allow_inf_nan=False)
+    bits: int = Field(gt=0)
+
+
+class UnitEntry(FileModel):
+    name: _Name
+    modules: list[_Name] = Field(min_length=1)
+    params: int = Field(gt=0)
+    options: dict[str, CostEntry] = Field(min_length=1)
+
+
+class MeasurementFile(FileModel):
+    format: _Format
+    version: _Version
+    model: str
+    mode: _Mode
+    candidates: list[CandidateName] = Field(min_length=1)
+    units: list[UnitEntry] = Field(min_length=1)
+    metadata: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _format_first(cls, data: Any) -> Any:
+        """A file of another format or version is reported as such, before any of its other keys."""
+        if isinstance(data, dict) and data.get("format") != FORMAT:
+            raise rule_error(f"expected {FORMAT!r}, got {data.get('format')!r} (not a measurement file?)", "format")
+        if isinstance(data, dict) and data.get("version") != VERSION:
+            raise rule_error(f"is {data.get('version')!r}; this quantkit reads version {VERSION}", "version")
+        return data
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MeasurementFile:
+        """Distinct candidates, unique unit names, each module in one unit, options among the candidates."""
+        for i, name in enumerate(self.candidates):
+            if name in self.candidates[:i]:
+                raise rule_error(f"repeats {name!r}; list each candidate once", "candidates", i)
+        unit_of_name: dict[str, int] = {}
+        unit_of_module: dict[str, str] = {}
+        for i, unit in enumerate(self.units):
+            if unit.name in unit_of_name:
+                message = f"needs a unique name; units[{unit_of_name[unit.name]}] has it too"
+                raise rule_error(message, "units", i, "name")
+            unit_of_name[unit.name] = i
+            for j, module in enumerate(unit.modules):
+                if module in unit_of_module:
+                    message = f"repeats {module!r}, already in unit {unit_of_module[module]!r}"
+                    raise rule_error(message, "units", i, "modules", j)
+                unit_of_module[module] = unit.name
+            for name in unit.options:
+                if name not in self.candidates:
+                    message = f"is not one of the measured candidates {self.candidates}"
+                    raise rule_error(message, "units", i, "options", name)
+        return self
+
+
+# --------------------------------------------------------------------------------------------------
+# Files
+# --------------------------------------------------------------------------------------------------
+
+
 def save_measurement(measurement: Measurement, path: Path) -> Path:
-    """Validate, then write JSON atomically (temp file in the same directory, then rename)."""
+    """Validate, then write JSON atomically (temp file in the same directory, then rename); returns ``path``."""
     path = Path(path)
     measurement.validate(str(path))
     text = json.dumps(measurement.to_dict(), indent=1, allow_nan=False) + "\n"
@@ -90,122 +175,24 @@ def save_measurement(measurement: Measurement, path: Path) -> Path:
 
 
 def load_measurement(path: Path) -> Measurement:
+    """The validated measurement in ``path``; errors name ``path:line`` and the entry."""
     path = Path(path)
     if not path.is_file():
         raise QuantkitError(f"measurement file {path} does not exist; create it with `quantkit sensitivity`")
     try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        text = path.read_text()
+    except UnicodeDecodeError as exc:
         raise QuantkitError(f"{path} is not valid JSON ({exc}); re-run `quantkit sensitivity`") from exc
-    return measurement_from_dict(data, str(path))
-
-
-# --------------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------------
-
-
-def _fail(source: str, where: str, problem: str) -> QuantkitError:
-    return QuantkitError(f"{source}: {where} {problem}; re-run `quantkit sensitivity` or fix the file")
-
-
-def _require(data: Any, key: str, kind: type | tuple[type, ...], source: str, where: str) -> Any:
-    if key not in data:
-        raise _fail(source, where, f"is missing the key {key!r}")
-    value = data[key]
-    if not isinstance(value, kind) or (isinstance(value, bool) and bool not in _as_tuple(kind)):
-        raise _fail(source, f"{where}.{key}" if where != "file" else key, f"must be {_kind_name(kind)}")
-    return value
-
-
-def _as_tuple(kind: type | tuple[type, ...]) -> tuple[type, ...]:
-    return kind if isinstance(kind, tuple) else (kind,)
-
-
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {str: "a string", int: "an integer", float: "a number", list: "a list", dict: "an object"}
-    return " or ".join(names.get(k, k.__name__) for k in _as_tuple(kind))
+    return measurement_from_dict(load_json(text, str(path), fix="re-run `quantkit sensitivity`"), str(path))
 
 
 def measurement_from_dict(data: Any, source: str = "measurement") -> Measurement:
-    """Build and validate a Measurement from parsed JSON."""
-    if not isinstance(data, dict):
-        raise _fail(source, "the file", "must hold a JSON object")
-    if data.get("format") != FORMAT:
-        raise _fail(source, "format", f"is {data.get('format')!r}, expected {FORMAT!r} (not a measurement file?)")
-    if data.get("version") != VERSION:
-        raise _fail(source, "version", f"is {data.get('version')!r}; this quantkit reads version {VERSION}")
+    """The Measurement of parsed JSON (a located tree gives errors their line); raises QuantkitError."""
+    checked = validate(MeasurementFile, data, source, fix=_FIX, item_labels=_ITEM_LABELS)
     units = [
-        _unit_from_dict(u, source, f"units[{i}]") for i, u in enumerate(_require(data, "units", list, source, "file"))
-    ]
-    measurement = Measurement(
-        model=_require(data, "model", str, source, "file"),
-        mode=_require(data, "mode", str, source, "file"),
-        candidates=list(_require(data, "candidates", list, source, "file")),
-        units=units,
-        metadata=dict(data.get("metadata") or {}),
-    )
-    _check_measurement(measurement, source)
-    return measurement
-
-
-def _unit_from_dict(data: Any, source: str, where: str) -> UnitMeasurement:
-    if not isinstance(data, dict):
-        raise _fail(source, where, "must be an object with name, modules, params, options")
-    options_raw = _require(data, "options", dict, source, where)
-    options = {}
-    for name, cost in options_raw.items():
-        at = f"{where}.options[{name!r}]"
-        if not isinstance(cost, dict):
-            raise _fail(source, at, "must be an object {error, bits}")
-        options[name] = CandidateCost(
-            error=float(_require(cost, "error", (int, float), source, at)), bits=_require(cost, "bits", int, source, at)
+        UnitMeasurement(
+            u.name, list(u.modules), u.params, {k: CandidateCost(c.error, c.bits) for k, c in u.options.items()}
         )
-    return UnitMeasurement(
-        name=_require(data, "name", str, source, where),
-        modules=list(_require(data, "modules", list, source, where)),
-        params=_require(data, "params", int, source, where),
-        options=options,
-    )
-
-
-def _check_measurement(m: Measurement, source: str) -> None:
-    if m.mode not in MODES:
-        raise _fail(source, "mode", f"is {m.mode!r}; expected one of {list(MODES)}")
-    if not m.candidates or len(set(m.candidates)) != len(m.candidates):
-        raise _fail(source, "candidates", "must be a non-empty list of distinct candidate names")
-    for name in m.candidates:
-        parse_candidate(name)  # raises with the syntax for an unknown name
-    if not m.units:
-        raise _fail(source, "units", "is empty: nothing was measured")
-    seen_units: set[str] = set()
-    seen_modules: dict[str, str] = {}
-    for i, unit in enumerate(m.units):
-        where = f"units[{i}] ({unit.name})"
-        if not unit.name or unit.name in seen_units:
-            raise _fail(source, where, "needs a unique, non-empty name")
-        seen_units.add(unit.name)
-        _check_unit(unit, m.candidates, source, where, seen_modules)
-
-
-def _check_unit(
-    unit: UnitMeasurement, candidates: list[str], source: str, where: str, seen_modules: dict[str, str]
-) -> None:
-    if not unit.modules or not all(isinstance(x, str) and x for x in unit.modules):
-        raise _fail(source, f"{where}.modules", "must be a non-empty list of module names")
-    for module in unit.modules:
-        if module in seen_modules:
-            raise _fail(source, f"{where}.modules", f"repeats {module!r}, already in unit {seen_modules[module]!r}")
-        seen_modules[module] = unit.name
-    if isinstance(unit.params, bool) or not isinstance(unit.params, int) or unit.params <= 0:
-        raise _fail(source, f"{where}.params", f"must be a positive integer, got {unit.params!r}")
-    if not unit.options:
-        raise _fail(source, f"{where}.options", "is empty: measure at least one candidate")
-    for name, cost in unit.options.items():
-        at = f"{where}.options[{name!r}]"
-        if name not in candidates:
-            raise _fail(source, at, f"is not one of the measured candidates {candidates}")
-        if isinstance(cost.error, bool) or not isinstance(cost.error, (int, float)) or not math.isfinite(cost.error):
-            raise _fail(source, f"{at}.error", f"must be a finite number, got {cost.error!r}")
-        if isinstance(cost.bits, bool) or not isinstance(cost.bits, int) or cost.bits <= 0:
-            raise _fail(source, f"{at}.bits", f"must be a positive integer, got {cost.bits!r}")
+        for u in checked.units
+    ]
+    return Measurement(checked.model, checked.mode, list(checked.candidates), units, plain(checked.metadata or {}))

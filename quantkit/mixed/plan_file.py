@@ -16,7 +16,8 @@ File layout (one rule per unit; a fused unit's rule covers all its modules)::
 A target is an exact module name or ``re:<regex>`` matched with ``re.match`` (compressed-tensors rules).
 Only ``target`` and ``scheme`` drive quantization; ``predicted_error``, ``bits``, ``params``, ``budget`` and
 ``totals`` are what the planner predicted and are kept as written (re-run ``quantkit plan`` to refresh them).
-Saving, loading and saving again gives the same text.
+Saving, loading and saving again gives the same text. :class:`PlanFile` is the file's schema; errors name
+``file:line`` and the rule, e.g. ``plan.yaml:7: rules[0] (target 're:^...$').scheme: unknown scheme ...``.
 """
 
 from __future__ import annotations
@@ -27,14 +28,18 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import yaml
+from pydantic import AfterValidator, Field
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import FP16, all_candidate_names, parse_candidate
 from quantkit.mixed.planner import Plan
+from quantkit.schemas.fields import FileModel
+from quantkit.schemas.located import load_yaml, plain
+from quantkit.schemas.validate import error_at, validate
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -43,8 +48,6 @@ HEADER = (
     "# quantkit mixed-precision plan. Edit a rule's `scheme` (int<bits>[-g<group>][-asym] or fp16), then run\n"
     "# `quantkit quantize --plan <this file>`. predicted_error/bits/params/totals are the planner's predictions.\n"
 )
-TOP_KEYS = ("model", "mode", "budget", "totals", "rules")
-RULE_KEYS = ("target", "scheme", "predicted_error", "bits", "params")
 
 
 @dataclass(slots=True)
@@ -168,6 +171,57 @@ def save_plan(plan: Plan | PlanRules, path: Path) -> Path:
 
 
 # --------------------------------------------------------------------------------------------------
+# The file schema
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_target(target: str) -> str:
+    if not target.strip():
+        raise ValueError("needs a `target`: a module name or re:<regex>")
+    if target.startswith("re:"):
+        try:
+            re.compile(target[3:])
+        except re.error as exc:
+            raise ValueError(f"invalid regular expression: {exc}") from exc
+    return target
+
+
+def _check_scheme(scheme: str) -> str:
+    try:
+        parse_candidate(scheme)
+    except QuantkitError:
+        close = difflib.get_close_matches(scheme.strip().lower(), all_candidate_names(), n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown scheme {scheme!r}; {hint}use int<bits>[-g<group>][-asym] or {FP16}") from None
+    return scheme
+
+
+class RuleEntry(FileModel):
+    """One rule as written: only ``target`` and ``scheme`` drive quantization."""
+
+    target: Annotated[str, AfterValidator(_check_target)]  # exact module name or "re:<regex>"
+    scheme: Annotated[str, AfterValidator(_check_scheme)]  # candidate name, e.g. "int4-g64" or "fp16"
+    predicted_error: float | None = None
+    bits: int | None = None
+    params: int | None = None
+
+
+class PlanFile(FileModel):
+    """A plan file as written; ``budget`` and ``totals`` are the planner's predictions, kept as they are."""
+
+    model: str = ""
+    mode: str | None = None
+    budget: dict[str, Any] | None = None
+    totals: dict[str, Any] | None = None
+    rules: list[RuleEntry] = Field(min_length=1)
+
+
+TOP_KEYS = tuple(PlanFile.model_fields)
+RULE_KEYS = tuple(RuleEntry.model_fields)
+_ITEM_LABELS = {"rules": "target '{target}'"}
+
+
+# --------------------------------------------------------------------------------------------------
 # YAML -> validated rules
 # --------------------------------------------------------------------------------------------------
 
@@ -178,7 +232,7 @@ def load_plan(
     known_modules: Iterable[str] | None = None,
     fused_groups: list[list[str]] | None = None,
 ) -> PlanRules:
-    """Read and validate a (possibly hand-edited) plan; errors name the file, the rule index and the problem.
+    """The validated rules of a (possibly hand-edited) plan; errors name ``file:line``, the rule and the problem.
 
     ``known_modules``: the model's quantizable Linear names; with them every rule must match a module, a
     module may not get two different schemes, and :meth:`PlanRules.groups` lists module names.
@@ -187,90 +241,26 @@ def load_plan(
     path = Path(path)
     if not path.is_file():
         raise QuantkitError(f"plan file {path} does not exist; create it with `quantkit plan`")
-    data = _parse_yaml(path)
-    rules = [_parse_rule(path, i, raw) for i, raw in enumerate(data["rules"])]
+    label = str(path)
+    data = load_yaml(path.read_text(), label)
+    checked = validate(PlanFile, data, label, item_labels=_ITEM_LABELS)
+    rules = [PlanRule(r.target, r.scheme, r.predicted_error, r.bits, r.params) for r in checked.rules]
     plan = PlanRules(
-        model=str(data.get("model", "")),
+        model=checked.model,
         rules=rules,
-        mode=data.get("mode"),
-        budget=_mapping(path, data, "budget"),
-        totals=_mapping(path, data, "totals"),
+        mode=checked.mode,
+        budget=plain(checked.budget or {}),
+        totals=plain(checked.totals or {}),
     )
     if known_modules is not None:
-        plan.assignment, plan.unmatched = _assign(path, rules, list(known_modules))
+        plan.assignment, plan.unmatched = _assign(label, data, rules, list(known_modules))
     if fused_groups:
-        _check_fused(path, rules, fused_groups)
+        _check_fused(label, data, rules, fused_groups)
     return plan
 
 
-def _parse_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.MarkedYAMLError as exc:
-        line = exc.problem_mark.line + 1 if exc.problem_mark else "?"
-        raise QuantkitError(f"{path}: invalid YAML at line {line}: {exc.problem}; fix the syntax there") from exc
-    except yaml.YAMLError as exc:
-        raise QuantkitError(f"{path}: invalid YAML ({exc}); fix the syntax") from exc
-    if not isinstance(data, dict):
-        raise QuantkitError(f"{path}: a plan must be a YAML mapping with keys {list(TOP_KEYS)}")
-    unknown = [k for k in data if k not in TOP_KEYS]
-    if unknown:
-        raise QuantkitError(f"{path}: unknown top-level key(s) {unknown}; allowed: {list(TOP_KEYS)}")
-    if not isinstance(data.get("rules"), list) or not data["rules"]:
-        raise QuantkitError(f"{path}: `rules` must be a non-empty list of {{target, scheme}} entries")
-    return data
-
-
-def _mapping(path: Path, data: dict[str, Any], key: str) -> dict[str, Any]:
-    value = data.get(key) or {}
-    if not isinstance(value, dict):
-        raise QuantkitError(f"{path}: `{key}` must be a mapping")
-    return value
-
-
-def _rule_error(path: Path, index: int, raw: Any, problem: str) -> QuantkitError:
-    target = raw.get("target") if isinstance(raw, dict) else None
-    where = f"rule {index}" + (f" (target {target!r})" if isinstance(target, str) else "")
-    return QuantkitError(f"{path}: {where}: {problem}")
-
-
-def _parse_rule(path: Path, index: int, raw: Any) -> PlanRule:
-    if not isinstance(raw, dict):
-        raise _rule_error(path, index, raw, "must be a mapping with `target` and `scheme`")
-    unknown = [k for k in raw if k not in RULE_KEYS]
-    if unknown:
-        raise _rule_error(path, index, raw, f"unknown key(s) {unknown}; allowed: {list(RULE_KEYS)}")
-    target, scheme = raw.get("target"), raw.get("scheme")
-    if not isinstance(target, str) or not target.strip():
-        raise _rule_error(path, index, raw, "needs a `target`: a module name or re:<regex>")
-    if target.startswith("re:"):
-        try:
-            re.compile(target[3:])
-        except re.error as exc:
-            raise _rule_error(path, index, raw, f"invalid regular expression: {exc}") from exc
-    _check_scheme_name(path, index, raw, scheme)
-    for key, kind in (("predicted_error", (int, float)), ("bits", int), ("params", int)):
-        value = raw.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
-            raise _rule_error(path, index, raw, f"`{key}` must be a number, got {value!r}")
-    return PlanRule(target, scheme, raw.get("predicted_error"), raw.get("bits"), raw.get("params"))
-
-
-def _check_scheme_name(path: Path, index: int, raw: dict[str, Any], scheme: Any) -> None:
-    if not isinstance(scheme, str):
-        raise _rule_error(path, index, raw, f"needs a `scheme` such as int4-g128 or {FP16}")
-    try:
-        parse_candidate(scheme)
-    except QuantkitError:
-        close = difflib.get_close_matches(scheme.strip().lower(), all_candidate_names(), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise _rule_error(
-            path, index, raw, f"unknown scheme {scheme!r}; {hint}use int<bits>[-g<group>][-asym] or {FP16}"
-        ) from None
-
-
-def _assign(path: Path, rules: list[PlanRule], modules: list[str]) -> tuple[dict[str, int], list[str]]:
-    """module -> rule index; every rule must match a module and no module may get two schemes."""
+def _assign(label: str, data: Any, rules: list[PlanRule], modules: list[str]) -> tuple[dict[str, int], list[str]]:
+    """module -> rule index, and the modules no rule covers; every rule must match a module, none gets two schemes."""
     assignment: dict[str, int] = {}
     used = [False] * len(rules)
     for module in modules:
@@ -280,32 +270,41 @@ def _assign(path: Path, rules: list[PlanRule], modules: list[str]) -> tuple[dict
             used[i] = True
             first = assignment.setdefault(module, i)
             if rules[first].scheme != rule.scheme:
-                raise QuantkitError(
-                    f"{path}: module {module!r} is matched by rule {first} ({rules[first].scheme_name}) and rule {i} "
-                    f"({rule.scheme_name}) with different schemes; narrow one target or give both the same scheme"
+                raise error_at(
+                    label,
+                    data,
+                    ("rules", i),
+                    f"module {module!r} is matched by rule {first} ({rules[first].scheme_name}) and rule {i} "
+                    f"({rule.scheme_name}) with different schemes; narrow one target or give both the same scheme",
                 )
     for i, rule in enumerate(rules):
         if not used[i]:
-            raise QuantkitError(
-                f"{path}: rule {i} (target {rule.target!r}) matches no module of the model; "
-                "fix the target (module name or re:<regex>, matched from the start) or delete the rule"
+            raise error_at(
+                label,
+                data,
+                ("rules", i),
+                f"rule {i} (target {rule.target!r}) matches no module of the model; "
+                "fix the target (module name or re:<regex>, matched from the start) or delete the rule",
             )
     return assignment, [m for m in modules if m not in assignment]
 
 
-def _check_fused(path: Path, rules: list[PlanRule], fused_groups: list[list[str]]) -> None:
+def _check_fused(label: str, data: Any, rules: list[PlanRule], fused_groups: list[list[str]]) -> None:
     for group in fused_groups:
-        schemes: set[QuantScheme | None] = set()
-        labels = []
-        for module in group:
-            hit = next((i for i, r in enumerate(rules) if r.matches(module)), None)
-            schemes.add(rules[hit].scheme if hit is not None else None)
-            label = f"{rules[hit].scheme_name} (rule {hit})" if hit is not None else f"{FP16} (no rule)"
-            labels.append(f"{module}: {label}")
+        hits = [next((i for i, r in enumerate(rules) if r.matches(module)), None) for module in group]
+        schemes = {rules[hit].scheme if hit is not None else None for hit in hits}
         if len(schemes) > 1:
-            raise QuantkitError(
-                f"{path}: fused modules must share one scheme (runtimes load them as one matrix), got "
-                f"{', '.join(labels)}; give them the same scheme"
+            labels = [
+                f"{module}: " + (f"{rules[hit].scheme_name} (rule {hit})" if hit is not None else f"{FP16} (no rule)")
+                for module, hit in zip(group, hits, strict=True)
+            ]
+            first = next(hit for hit in hits if hit is not None)
+            raise error_at(
+                label,
+                data,
+                ("rules", first),
+                f"fused modules must share one scheme (runtimes load them as one matrix), got {', '.join(labels)}; "
+                "give them the same scheme",
             )
 
 

@@ -78,6 +78,7 @@ class Plan:
     target_bits: float | None = None
     max_size_mb: float | None = None
     pins: list[tuple[str, str]] = field(default_factory=list)
+    search_states: int = 0  # most partial plans the exact search kept after any unit (0: no search was needed)
 
     @property
     def total_bits(self) -> int:
@@ -120,13 +121,13 @@ def plan(
     lo, hi = sum(min(c) for c in costs), sum(max(c) for c in costs)
     if lo > budget:
         raise QuantkitError(_infeasible_message(budget, lo, hi, measurement.total_params, bool(pins)))
-    choice = solve_mckp(costs, errors, budget)
+    choice, states = _solve_mckp(costs, errors, budget)
     assert choice is not None  # feasible: lo <= budget
     units = [
         UnitChoice(u.name, list(u.modules), u.params, allowed[i][j], errors[i][j], costs[i][j], pinned[i])
         for i, (u, j) in enumerate(zip(measurement.units, choice, strict=True))
     ]
-    return Plan(measurement.model, measurement.mode, units, budget, target_bits, max_size_mb, list(pins))
+    return Plan(measurement.model, measurement.mode, units, budget, target_bits, max_size_mb, list(pins), states)
 
 
 def reachable_bits(measurement: Measurement, pins: Sequence[tuple[str, str]] = ()) -> tuple[int, int]:
@@ -251,21 +252,28 @@ def solve_mckp(costs: Sequence[Sequence[int]], errors: Sequence[Sequence[float]]
 
     None when even the cheapest choice exceeds the budget. Ties: the lower total cost wins.
     """
+    return _solve_mckp(costs, errors, budget)[0]
+
+
+def _solve_mckp(
+    costs: Sequence[Sequence[int]], errors: Sequence[Sequence[float]], budget: int
+) -> tuple[list[int] | None, int]:
+    """:func:`solve_mckp`'s choice and the most partial plans the search kept after any unit (0: no search)."""
     if len(costs) != len(errors) or any(len(c) != len(e) or not c for c, e in zip(costs, errors, strict=True)):
         raise ValueError("costs and errors must have the same, non-empty option lists per group")
     if not costs:
-        return []
+        return [], 0
     units = [_pareto_unit(c, e) for c, e in zip(costs, errors, strict=True)]
     cap = int(budget) - sum(min(int(x) for x in c) for c in costs)
     if cap < 0:
-        return None
+        return None, 0
     if cap >= sum(int(u.cost[-1]) for u in units):  # everything fits: least error everywhere
-        return [int(u.index[-1]) for u in units]
+        return [int(u.index[-1]) for u in units], 0
     bounds = _SuffixBounds(units)
     incumbent = _greedy_incumbent(units, cap)
     scale = sum(float(np.abs(u.error).max()) for u in units)
-    picks = _sparse_dp(units, cap, bounds, incumbent + 1e-9 * scale + 1e-300)
-    return [int(u.index[j]) for u, j in zip(units, picks, strict=True)]
+    picks, states = _sparse_dp(units, cap, bounds, incumbent + 1e-9 * scale + 1e-300)
+    return [int(u.index[j]) for u, j in zip(units, picks, strict=True)], states
 
 
 def _pareto_unit(costs: Sequence[int], errors: Sequence[float]) -> _Unit:
@@ -354,11 +362,15 @@ def _greedy_incumbent(units: list[_Unit], cap: int) -> float:
     return math.fsum(float(u.error[j]) for u, j in zip(units, pick, strict=True))
 
 
-def _sparse_dp(units: list[_Unit], cap: int, bounds: _SuffixBounds, limit: float) -> list[int]:
-    """Pareto-set DP with LP-bound pruning; returns the chosen Pareto-option position per unit."""
+def _sparse_dp(units: list[_Unit], cap: int, bounds: _SuffixBounds, limit: float) -> tuple[list[int], int]:
+    """Pareto-set DP with LP-bound pruning.
+
+    Returns the chosen Pareto-option position per unit and the most states kept after any unit.
+    """
     cost = np.zeros(1, dtype=np.int64)
     err = np.zeros(1, dtype=np.float64)
     history: list[tuple[np.ndarray, np.ndarray]] = []
+    most = 0
     for d, unit in enumerate(units):
         if len(cost) > MAX_STATES:
             raise QuantkitError(
@@ -379,6 +391,7 @@ def _sparse_dp(units: list[_Unit], cap: int, bounds: _SuffixBounds, limit: float
         keep = np.ones(len(new_err), dtype=bool)
         keep[1:] = new_err[1:] < np.minimum.accumulate(new_err)[:-1]  # Pareto: strictly better than all cheaper
         cost, err = new_cost[keep], new_err[keep]
+        most = max(most, len(cost))
         history.append((parent[keep], option[keep]))
     state = int(np.argmin(err))  # first minimum: the cheapest among equal errors
     picks = [0] * len(units)
@@ -386,4 +399,4 @@ def _sparse_dp(units: list[_Unit], cap: int, bounds: _SuffixBounds, limit: float
         parent, option = history[d]
         picks[d] = int(option[state])
         state = int(parent[state])
-    return picks
+    return picks, most

@@ -1,8 +1,8 @@
 """Supported architectures, described as data: one table entry per family, no subclass per model.
 
-Module paths are relative to a decoder layer unless named otherwise. ``sequential_stages`` gives the
-order in which a block's linears are solved (true sequential: q/k/v, then o, then gate/up, then down);
-linears inside one stage share their input and form a fused group that runtimes such as vLLM load as
+Module paths are relative to a decoder layer unless named otherwise. ``stages`` gives the order in which a
+block's linears are solved (true sequential), each stage by name: ``qkv``, then ``o``, then ``gate_up``, then
+``down``; linears inside one stage share their input and form a fused group that runtimes such as vLLM load as
 one matrix, so they must share a quantization scheme.
 """
 
@@ -22,6 +22,22 @@ class ScalingGroup:
 
 
 @dataclass(slots=True, frozen=True)
+class Stage:
+    """Linears that read the same input, solved together: ``qkv``, ``o``, ``gate_up`` or ``down``."""
+
+    name: str
+    linears: tuple[str, ...]
+
+    @property
+    def head(self) -> str:
+        """The stage's first linear (its input is the stage's input)."""
+        return self.linears[0]
+
+
+QKV, O_PROJ, GATE_UP, DOWN = "qkv", "o", "gate_up", "down"  # stage names
+
+
+@dataclass(slots=True, frozen=True)
 class ArchSpec:
     family: str
     model_types: tuple[str, ...]
@@ -32,11 +48,11 @@ class ArchSpec:
     rotary_path: str = "model.rotary_emb"
     attn_path: str = "self_attn"  # relative to a decoder layer; ends in o_proj
     mlp_path: str = "mlp"  # ends in down_proj
-    sequential_stages: tuple[tuple[str, ...], ...] = (
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        ("self_attn.o_proj",),
-        ("mlp.gate_proj", "mlp.up_proj"),
-        ("mlp.down_proj",),
+    stages: tuple[Stage, ...] = (
+        Stage(QKV, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+        Stage(O_PROJ, ("self_attn.o_proj",)),
+        Stage(GATE_UP, ("mlp.gate_proj", "mlp.up_proj")),
+        Stage(DOWN, ("mlp.down_proj",)),
     )
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     qkv_bias: bool = False
@@ -49,11 +65,21 @@ class ArchSpec:
 
     @property
     def linears(self) -> tuple[str, ...]:
-        return tuple(name for stage in self.sequential_stages for name in stage)
+        return tuple(name for stage in self.stages for name in stage.linears)
 
     @property
     def fused_groups(self) -> tuple[tuple[str, ...], ...]:
-        return tuple(stage for stage in self.sequential_stages if len(stage) > 1)
+        return tuple(stage.linears for stage in self.stages if len(stage.linears) > 1)
+
+    def stage(self, name: str) -> Stage:
+        return next(stage for stage in self.stages if stage.name == name)
+
+    def stage_of(self, linear: str) -> Stage:
+        """The stage a linear (path relative to a decoder layer) belongs to."""
+        for stage in self.stages:
+            if linear in stage.linears:
+                return stage
+        raise UnsupportedArchitectureError(f"linear {linear!r} is in no stage of the {self.family} architecture")
 
 
 ARCHITECTURES: tuple[ArchSpec, ...] = (

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from quantkit.data.calibration import CalibrationConfig
 from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantScheme
+from quantkit.quantization.solvers.gptq import GPTQConfig
 
-STARTER = """\
+_TEMPLATE = """\
 # quantkit recipe: run with `quantkit run THIS.yaml [--set key.path=value] [--report DIR]`.
 # Check it with `quantkit recipe validate THIS.yaml`. Values may use ${VAR} or ${VAR:-default}.
 # Relative paths are relative to the current directory. Exit status: 0 gates pass, 1 a gate fails, 2 bad input.
@@ -15,8 +19,8 @@ model: smollm2-135m            # local HF directory, hub id, or alias
 
 calibration:
   dataset: null                # file (.txt/.jsonl/.json/.parquet), directory, HF dataset; null: shipped corpus
-  num_samples: 128             # windows
-  seq_len: 512                 # tokens per window
+  num_samples: @num_samples@   # windows
+  seq_len: @seq_len@           # tokens per window
   seed: 0
   strategy: random             # random | document
   select: random               # random | diverse
@@ -25,12 +29,12 @@ quantization:
   method: gptq                 # rtn | gptq | awq | awq+gptq
   scheme:
     bits: 4                    # 2 | 3 | 4 | 8
-    group_size: 128            # 32, 64, 128 ... or -1 for per-channel
+    group_size: @group_size@   # 32, 64, 128 ... or -1 for per-channel
     symmetric: true            # omit: symmetric, asymmetric for AWQ
     act_order: true            # GPTQ: columns by descending Hessian diagonal (omit: on for gptq, awq+gptq)
     static_groups: true        # with act_order: groups in column order, no g_idx (omit: on)
     mse_clip: true             # Hessian-weighted range shrinking (omit: on for gptq)
-  damp: 0.01                   # GPTQ damping (fraction of the mean Hessian diagonal)
+  damp: @damp@                 # GPTQ damping (fraction of the mean Hessian diagonal)
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
   # mixed:
@@ -61,6 +65,16 @@ smoke:
   prompts: null                # null: the smoke test's default prompts
   max_tokens: 16
 """
+
+
+_DEFAULTS = {  # written in the configs that use them
+    "num_samples": CalibrationConfig.num_samples,
+    "seq_len": CalibrationConfig.seq_len,
+    "group_size": QuantScheme.group_size,
+    "damp": GPTQConfig.damp,
+}
+# "@name@" and the spaces after it take the default, left-aligned in the same width (the comments stay aligned)
+STARTER = re.sub(r"@(\w+)@ *", lambda m: f"{_DEFAULTS[m.group(1)]}".ljust(len(m.group(0))), _TEMPLATE)
 
 
 def write_starter(path: Path | None, *, force: bool = False) -> str:

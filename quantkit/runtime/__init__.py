@@ -1,0 +1,1 @@
+"""The bundled serving runtime: paged KV cache, continuous batching scheduler, model runner, engine, LLM."""

@@ -11,7 +11,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
 
 
-@dataclass(slots=True)
+@dataclass
 class EngineConfig:
     max_num_seqs: int = 32  # running sequences at most
     max_num_batched_tokens: int = 4096  # tokens per step at most

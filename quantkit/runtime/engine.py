@@ -1,10 +1,10 @@
 """The serving engine: requests in, one continuous-batching step at a time, outputs out.
 
 ``step()`` is: schedule -> run the model -> sample (only sequences whose prefill is complete) -> postprocess ->
-detokenize and apply stop strings. A request that could never run (prompt longer than ``max_model_len``, more
-KV blocks than the cache holds, invalid sampling parameters, token ids outside the vocabulary) is refused by
-``add_request`` with a ``QuantkitError`` before it touches the scheduler or the cache; other requests are
-unaffected.
+detokenize and apply stop strings (:mod:`quantkit.runtime.detokenizer`). A request that could never run (prompt
+longer than ``max_model_len``, more KV blocks than the cache holds, invalid sampling parameters, token ids outside
+the vocabulary) is refused by ``add_request`` with a ``QuantkitError`` before it touches the scheduler or the
+cache; other requests are unaffected.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from quantkit.model.resolve import resolve_model
 from quantkit.runtime.attention_backend import select_backend
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.detokenizer import Detokenizer
 from quantkit.runtime.model import ModelConfig, load_model, read_generation_eos
 from quantkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from quantkit.runtime.sampler import Sampler
@@ -62,9 +63,9 @@ class _Request:
     prompt: str | None
     generator: torch.Generator | None  # per-request seed; kept across preemption
     arrival_time: float
+    detokenizer: Detokenizer | None  # None: the model has no tokenizer (no text)
     first_token_time: float | None = None
     text: str = ""
-    stop_checked: int = 0  # text length already searched for stop strings
     finish_time: float | None = None
     error: str | None = None
 
@@ -123,7 +124,8 @@ class Engine:
         self.scheduler.add(seq)  # raises for a prompt too long or a request that can never fit
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         text_prompt = prompt if isinstance(prompt, str) else None
-        req = _Request(request_id, seq, text_prompt, gen, time.perf_counter())
+        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        req = _Request(request_id, seq, text_prompt, gen, time.perf_counter(), detok)
         self._requests[seq.seq_id] = self._by_id[request_id] = req
         return request_id
 
@@ -220,20 +222,13 @@ class Engine:
         return outputs
 
     def _detokenize(self, req: _Request) -> None:
-        seq = req.seq
-        if self.tokenizer is None:
+        seq, detok = req.seq, req.detokenizer
+        # without stop strings, text is needed only at the end, or every step when streaming
+        if detok is None or (not detok.stop and not seq.is_finished and not self.stream_text):
             return
-        stops = seq.sampling_params.stop
-        if not stops and not seq.is_finished and not self.stream_text:
-            return
-        req.text = self.tokenizer.decode(seq.completion_token_ids, skip_special_tokens=True)
-        if not stops:
-            return
-        start = max(0, req.stop_checked - max(len(s) for s in stops) + 1)
-        hits = [i for i in (req.text.find(s, start) for s in stops) if i >= 0]
-        req.stop_checked = len(req.text)
-        if hits:
-            req.text = req.text[: min(hits)]  # the stop string itself is not part of the output
+        result = detok.update(seq.completion_token_ids, finished=seq.is_finished)
+        req.text = result.text
+        if result.stopped:
             if seq.is_finished:
                 seq.finish_reason = FinishReason.STOP
             else:

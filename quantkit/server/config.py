@@ -8,14 +8,14 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime.config import EngineConfig
 
 
-@dataclass(slots=True)
+@dataclass
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (in-process servers and tests)
     served_model_name: str | None = None  # the `model` clients must send; None: the MODEL argument as given
     api_key: str | None = None  # bearer token required on every route but /health
     max_queue: int = 256  # requests allowed to wait beyond the running batch; more get 429
-    max_num_seqs: int = 32
+    max_num_seqs: int = EngineConfig.max_num_seqs
     max_model_len: int | None = None
     kv_cache_blocks: int | None = None
     drain_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM

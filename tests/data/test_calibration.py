@@ -4,21 +4,20 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantkit.data.calibration import CalibrationSet, build_calibration, select_diverse
-from quantkit.data.calibration_config import CalibrationConfig
+from quantkit.data.calibration import CalibrationConfig, CalibrationSet, build_calibration, select_diverse
 from quantkit.errors import CalibrationError, QuantkitError
 
 
 def _config(model, dataset, **kw):
     kw.setdefault("num_samples", 6)
     kw.setdefault("seq_len", 32)
-    return CalibrationConfig(model=str(model), dataset=str(dataset), show_progress=False, **kw)
+    return str(model), CalibrationConfig(dataset=str(dataset), show_progress=False, **kw)
 
 
 def test_same_seed_same_windows_other_seed_other_windows(tiny_model_dir, text_corpus):
-    a = build_calibration(_config(tiny_model_dir, text_corpus, seed=1)).calibration
-    b = build_calibration(_config(tiny_model_dir, text_corpus, seed=1)).calibration
-    c = build_calibration(_config(tiny_model_dir, text_corpus, seed=2)).calibration
+    a = build_calibration(*_config(tiny_model_dir, text_corpus, seed=1)).calibration
+    b = build_calibration(*_config(tiny_model_dir, text_corpus, seed=1)).calibration
+    c = build_calibration(*_config(tiny_model_dir, text_corpus, seed=2)).calibration
     assert a.input_ids.shape == (6, 32)
     assert torch.equal(a.input_ids, b.input_ids)
     assert not torch.equal(a.input_ids, c.input_ids)
@@ -37,28 +36,28 @@ def test_every_format_calibrates(tiny_model_dir, text_corpus, tmp_path, suffix):
         path.write_text(json.dumps([{"text": p} for p in paragraphs]))
     else:
         pq.write_table(pa.table({"text": paragraphs}), path)
-    result = build_calibration(_config(tiny_model_dir, path))
+    result = build_calibration(*_config(tiny_model_dir, path))
     assert result.calibration.input_ids.shape == (6, 32)
     assert result.documents == len(paragraphs)
 
 
 def test_metadata_records_provenance_and_changes_with_text(tiny_model_dir, text_corpus):
-    meta = build_calibration(_config(tiny_model_dir, text_corpus)).calibration.metadata
+    meta = build_calibration(*_config(tiny_model_dir, text_corpus)).calibration.metadata
     params = json.loads(meta["params"])
     assert params["seq_len"] == 32 and params["num_samples"] == 6 and params["seed"] == 0
     assert len(meta["tokenizer_hash"]) == 16
     text_corpus.write_text(text_corpus.read_text() + " one more sentence.")
     assert (
-        build_calibration(_config(tiny_model_dir, text_corpus)).calibration.metadata["source_hash"]
+        build_calibration(*_config(tiny_model_dir, text_corpus)).calibration.metadata["source_hash"]
         != meta["source_hash"]
     )
 
 
 def test_bos_is_prepended_when_the_tokenizer_adds_it(tiny_bos_model_dir, tiny_model_dir, text_corpus):
-    with_bos = build_calibration(_config(tiny_bos_model_dir, text_corpus)).calibration
+    with_bos = build_calibration(*_config(tiny_bos_model_dir, text_corpus)).calibration
     assert with_bos.input_ids.shape == (6, 32)
     assert bool((with_bos.input_ids[:, 0] == 1).all())
-    without = build_calibration(_config(tiny_model_dir, text_corpus)).calibration
+    without = build_calibration(*_config(tiny_model_dir, text_corpus)).calibration
     assert not bool((without.input_ids[:, 0] == 1).all())
 
 
@@ -66,15 +65,16 @@ def test_document_strategy_and_its_length_check(tiny_model_dir, tmp_path):
     path = tmp_path / "docs.jsonl"
     docs = [" ".join(["the"] * 50), " ".join(["of"] * 10), " ".join(["and"] * 40)]
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    result = build_calibration(_config(tiny_model_dir, path, strategy="document", num_samples=2, seq_len=32))
+    result = build_calibration(*_config(tiny_model_dir, path, strategy="document", num_samples=2, seq_len=32))
     rows = {tuple(set(r.tolist())) for r in result.calibration.input_ids}
     assert len(rows) == 2  # one window from each long document, never the short one
     with pytest.raises(CalibrationError, match="only 2 documents"):
-        build_calibration(_config(tiny_model_dir, path, strategy="document", num_samples=3, seq_len=32))
+        build_calibration(*_config(tiny_model_dir, path, strategy="document", num_samples=3, seq_len=32))
     with pytest.raises(CalibrationError, match="no document has 64 tokens"):
-        build_calibration(_config(tiny_model_dir, path, strategy="document", num_samples=1, seq_len=64))
+        build_calibration(*_config(tiny_model_dir, path, strategy="document", num_samples=1, seq_len=64))
 
 
+@pytest.mark.slow
 def test_diverse_selection_covers_distinct_topics():
     # Four topics with disjoint vocabularies; topic 0 has most of the windows.
     gen = torch.Generator().manual_seed(0)
@@ -89,7 +89,7 @@ def test_diverse_selection_covers_distinct_topics():
 
 
 def test_save_load_round_trip_and_refusals(tmp_path, tiny_model_dir, text_corpus, monkeypatch):
-    calib = build_calibration(_config(tiny_model_dir, text_corpus)).calibration
+    calib = build_calibration(*_config(tiny_model_dir, text_corpus)).calibration
     path = tmp_path / "calib.safetensors"
     calib.save(path)
     loaded = CalibrationSet.load(path)

@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
+from quantkit.atomic import write_json
 from quantkit.errors import QuantkitError
-from quantkit.eval.eval_config import EvalConfig
-from quantkit.eval.evaluate import evaluate, make_windows, score_windows
+from quantkit.eval.evaluate import EvalConfig, evaluate, make_windows, score_windows
 from quantkit.eval.logit_metrics import token_kl
 
 
@@ -55,18 +55,13 @@ def test_kl_matches_a_direct_computation():
 def test_model_is_its_own_reference(tiny_model_dir, text_corpus, tmp_path):
     out = tmp_path / "eval.json"
     config = EvalConfig(
-        model=str(tiny_model_dir),
-        dataset=str(text_corpus),
-        seq_len=32,
-        max_windows=5,
-        reference=str(tiny_model_dir),
-        json_path=out,
-        show_progress=False,
+        dataset=str(text_corpus), seq_len=32, max_windows=5, reference=str(tiny_model_dir), show_progress=False
     )
-    result = evaluate(config)
+    result = evaluate(tiny_model_dir, config)
     assert result.windows == 5 and result.tokens == 5 * 31
     assert result.kl_mean == pytest.approx(0.0, abs=1e-6)
     assert result.top1_agreement == 1.0
+    write_json(out, result.to_dict())
     data = json.loads(out.read_text())
     for key in ("perplexity", "tokens", "windows", "kl_mean", "kl_p99", "top1_agreement"):
         assert key in data
@@ -77,14 +72,6 @@ def test_a_different_reference_has_positive_kl(tiny_model_dir, tmp_path, text_co
     from conftest import save_tiny_model
 
     other = save_tiny_model(tmp_path / "other", seed=5)
-    result = evaluate(
-        EvalConfig(
-            model=str(tiny_model_dir),
-            dataset=str(text_corpus),
-            seq_len=32,
-            max_windows=3,
-            reference=str(other),
-            show_progress=False,
-        )
-    )
+    config = EvalConfig(dataset=str(text_corpus), seq_len=32, max_windows=3, reference=str(other), show_progress=False)
+    result = evaluate(tiny_model_dir, config)
     assert result.kl_mean > 1e-3 and result.top1_agreement < 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.metadata
 import json
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers_tiny import rtn_for_tests, tiny_llama
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 
 from quantkit.errors import QuantkitError
@@ -185,10 +187,18 @@ def test_transformers_loads_symmetric_checkpoint(tmp_path: Path) -> None:
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
+# transformers 5.22.0 loads these checkpoints (logits match); no fixed release yet, so the range is open-ended:
+# a fix makes this XPASS, which fails under strict=True, and the upper bound then goes here.
+_TRANSFORMERS = Version(importlib.metadata.version("transformers"))
+
+
 @pytest.mark.xfail(
-    reason="compressed-tensors 0.20 + transformers: the meta-device compress step leaves weight_zero_point "
-    "unpacked [N, G] while checkpoints store it packed [ceil(N*b/32), G] (llm-compressor issue #1618)",
-    strict=False,
+    condition=Version("5.23.0") <= _TRANSFORMERS,
+    reason="transformers >= 5.23 shape-checks pre-quantized params on load, and the compressed-tensors model it builds "
+    "holds weight_zero_point unpacked [N, G] where the checkpoint stores it packed [ceil(N*bits/32), G], so "
+    "from_pretrained raises on the size mismatch (5.22 skipped shape checks when a quantizer was active)",
+    raises=RuntimeError,
+    strict=True,
 )
 def test_transformers_loads_asymmetric_checkpoint(tmp_path: Path) -> None:
     pytest.importorskip("compressed_tensors")

@@ -3,11 +3,12 @@ import json
 import pytest
 from cli_runner import run_cli
 
-from quantkit.data.calibration import build_calibration
-from quantkit.data.calibration_config import CalibrationConfig
+from quantkit.data.calibration import CalibrationConfig, build_calibration
 from quantkit.format.inspect import inspect_checkpoint
 from quantkit.mixed.measurement import load_measurement
 from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
+
+pytestmark = pytest.mark.slow  # every test measures a model (the proxy fixture alone takes ~10 s)
 
 
 @pytest.fixture(scope="module")
@@ -18,18 +19,15 @@ def calib(tiny_model_dir, tmp_path_factory):
     text = root / "text.txt"
     text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:20000])
     out = root / "calib.safetensors"
-    build_calibration(
-        CalibrationConfig(
-            model=str(tiny_model_dir), dataset=str(text), num_samples=6, seq_len=32, output=out, show_progress=False
-        )
-    )
+    config = CalibrationConfig(dataset=str(text), num_samples=6, seq_len=32, show_progress=False)
+    build_calibration(str(tiny_model_dir), config, output=out)
     return out
 
 
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, calib, tmp_path_factory):
     out = tmp_path_factory.mktemp("m") / "measurement.json"
-    measure_sensitivity(SensitivityConfig(model=str(tiny_model_dir), calib=calib, output=out, show_progress=False))
+    measure_sensitivity(tiny_model_dir, SensitivityConfig(calibration_file=calib, show_progress=False), out)
     return out
 
 
@@ -45,15 +43,10 @@ def test_proxy_measurement_orders_candidates(proxy):
 
 
 def test_kl_mode_measures_output_divergence(tiny_model_dir, calib):
-    m = measure_sensitivity(
-        SensitivityConfig(
-            model=str(tiny_model_dir),
-            calib=calib,
-            mode="kl",
-            candidates=["int4-g128", "int8", "fp16"],
-            show_progress=False,
-        )
+    config = SensitivityConfig(
+        calibration_file=calib, mode="kl", candidates=["int4-g128", "int8", "fp16"], show_progress=False
     )
+    m = measure_sensitivity(tiny_model_dir, config)
     for unit in m.units:
         assert unit.options["fp16"].error == 0.0
         assert unit.options["int4-g128"].error >= 0.0
@@ -63,11 +56,9 @@ def test_kl_mode_measures_output_divergence(tiny_model_dir, calib):
 
 def test_hybrid_mode_rescales_proxy_to_the_anchor_kl(tiny_model_dir, calib):
     def run(mode: str):
-        config = SensitivityConfig(
-            model=str(tiny_model_dir), calib=calib, mode=mode, candidates=["int4-g128", "int8", "fp16"]
-        )
+        config = SensitivityConfig(calibration_file=calib, mode=mode, candidates=["int4-g128", "int8", "fp16"])
         config.show_progress = False
-        return measure_sensitivity(config)
+        return measure_sensitivity(tiny_model_dir, config)
 
     kl, proxy, hybrid = run("kl"), run("proxy"), run("hybrid")
     assert hybrid.mode == "hybrid" and hybrid.metadata["kl_windows"] == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,319 @@ def test_validate_cli_error_is_one_line_exit_2(tmp_path, capsys):
     code, _, err = run_cli(["recipe", "validate", str(path)], capsys)
     assert code == 2
     assert f"{path}:8: quantization.scheme.group_sise" in err and "group_size" in err
+
+
+# --------------------------------------------------------------------------------------------------
+# One case per validation rule: the file and line, the key path, and the hint
+# --------------------------------------------------------------------------------------------------
+
+FULL = """\
+model: smollm2-135m
+calibration:
+  dataset: null
+  num_samples: 16
+  seq_len: 256
+  seed: 0
+  strategy: random
+  select: random
+  min_length: 8
+  text_column: text
+quantization:
+  method: gptq
+  scheme:
+    bits: 4
+    group_size: 64
+    symmetric: true
+  damp: 0.01
+  ignore: ['layers\\.0\\.mlp']
+output:
+  directory: out/x
+  force: false
+evaluation:
+  windows: 8
+  seq_len: 512
+  batch_size: 4
+gates:
+  max_ppl_increase_pct: 10
+  max_kl_mean: 0.1
+  min_top1_agreement: 0.8
+smoke:
+  enabled: true
+  prompts: [hello]
+  max_tokens: 16
+"""
+
+MIXED = """\
+model: m
+output: {directory: o}
+quantization:
+  mixed:
+    target_bits: 4.5
+    candidates: [int4-g128, int8]
+    pins: {'down_proj$': int8}
+    mode: proxy
+"""
+
+
+def _case(base: str, old: str, new: str, key_path: str, hint: str, name: str, delta: int = 0) -> object:
+    return pytest.param(base, old, new, key_path, hint, delta, id=name)
+
+
+RULES = [
+    # keys
+    _case(FULL, "  seed: 0", "  sed: 0", "calibration.sed", "unknown key 'sed'; did you mean 'seed'?", "unknown-key"),
+    _case(
+        FULL, "  force: false", "  colour: red", "output.colour", "valid keys here: directory, force", "no-close-key"
+    ),
+    _case(
+        FULL,
+        "  directory: out/x\n",
+        "",
+        "output.directory",
+        "missing required key 'directory' in output",
+        "missing",
+        -1,
+    ),
+    _case(FULL, "model: smollm2-135m\n", "", "model", "missing required key 'model' in the top level", "missing-top"),
+    _case(FULL, "  seed: 0", "  seed: 0\n  seed: 1", "", "duplicate key 'seed'; keep one", "duplicate-key", 1),
+    # types
+    _case(
+        FULL,
+        "  num_samples: 16",
+        "  num_samples: many",
+        "calibration.num_samples",
+        "expected an integer, got str 'many'",
+        "int",
+    ),
+    _case(FULL, "  force: false", "  force: 3", "output.force", "expected true or false, got int 3", "bool"),
+    _case(
+        FULL,
+        "  text_column: text",
+        "  text_column: 5",
+        "calibration.text_column",
+        "expected a string, got int 5 (quote it)",
+        "str",
+    ),
+    _case(FULL, "  damp: 0.01", "  damp: high", "quantization.damp", "expected a number, got str 'high'", "float"),
+    _case(
+        FULL,
+        "  prompts: [hello]",
+        "  prompts: hello",
+        "smoke.prompts",
+        "expected a list of strings (or null), got str",
+        "list",
+    ),
+    _case(
+        FULL,
+        "  prompts: [hello]",
+        "  prompts: [1]",
+        r"smoke.prompts\[0\]",
+        "expected a string, got int 1 (quote it)",
+        "item",
+    ),
+    _case(
+        FULL,
+        "output:\n  directory: out/x\n  force: false",
+        "output: 3",
+        "output",
+        "expected a mapping with keys directory, force, got int 3",
+        "mapping",
+    ),
+    # choices
+    _case(
+        FULL,
+        "  method: gptq",
+        "  method: gtpq",
+        "quantization.method",
+        "expected one of rtn, gptq, awq, awq+gptq, got 'gtpq'; did you mean 'gptq'?",
+        "method",
+    ),
+    _case(FULL, "    bits: 4", "    bits: 5", "quantization.scheme.bits", "expected one of 2, 3, 4, 8, got 5", "bits"),
+    _case(
+        FULL,
+        "  strategy: random",
+        "  strategy: documents",
+        "calibration.strategy",
+        "did you mean 'document'?",
+        "strategy",
+    ),
+    _case(FULL, "  select: random", "  select: divers", "calibration.select", "did you mean 'diverse'?", "select"),
+    _case(MIXED, "    mode: proxy", "    mode: hybird", "quantization.mixed.mode", "did you mean 'hybrid'?", "mode"),
+    # ranges
+    _case(
+        FULL,
+        "  num_samples: 16",
+        "  num_samples: 0",
+        "calibration.num_samples",
+        "expected a value >= 1, got 0",
+        "num-samples",
+    ),
+    _case(
+        FULL, "  seq_len: 256", "  seq_len: 1", "calibration.seq_len", "expected a value >= 2, got 1", "calib-seq-len"
+    ),
+    _case(
+        FULL,
+        "  min_length: 8",
+        "  min_length: 0",
+        "calibration.min_length",
+        "expected a value >= 1, got 0",
+        "min-length",
+    ),
+    _case(FULL, "  damp: 0.01", "  damp: 1", "quantization.damp", "expected a value < 1, got 1", "damp"),
+    _case(
+        FULL,
+        "    group_size: 64",
+        "    group_size: 0",
+        "quantization.scheme.group_size",
+        "expected a positive size such as 64 or 128, or -1",
+        "group-size",
+    ),
+    _case(FULL, "  windows: 8", "  windows: 0", "evaluation.windows", "expected a value >= 1, got 0", "windows"),
+    _case(FULL, "  seq_len: 512", "  seq_len: 1", "evaluation.seq_len", "expected a value >= 2, got 1", "eval-seq-len"),
+    _case(
+        FULL,
+        "  batch_size: 4",
+        "  batch_size: 0",
+        "evaluation.batch_size",
+        "expected a value >= 1, got 0",
+        "batch-size",
+    ),
+    _case(
+        FULL, "  max_kl_mean: 0.1", "  max_kl_mean: -1", "gates.max_kl_mean", "expected a value >= 0, got -1", "max-kl"
+    ),
+    _case(
+        FULL,
+        "  min_top1_agreement: 0.8",
+        "  min_top1_agreement: 2",
+        "gates.min_top1_agreement",
+        "expected a value <= 1, got 2",
+        "top1",
+    ),
+    _case(
+        FULL, "  max_tokens: 16", "  max_tokens: 0", "smoke.max_tokens", "expected a value >= 1, got 0", "max-tokens"
+    ),
+    _case(
+        MIXED,
+        "    target_bits: 4.5",
+        "    target_bits: 0",
+        "quantization.mixed.target_bits",
+        "expected a value > 0, got 0",
+        "target-bits",
+    ),
+    # regexes and candidates
+    _case(
+        FULL,
+        "  ignore: ['layers\\.0\\.mlp']",
+        "  ignore:\n  - ok\n  - 'a(b'",
+        r"quantization.ignore\[1\]",
+        "'a(b' is not a valid regular expression",
+        "ignore-regex",
+        2,
+    ),
+    _case(
+        MIXED,
+        "{'down_proj$': int8}",
+        "{'a(b': int8}",
+        r"quantization.mixed.pins\['a\(b'\] \(key\)",
+        "not a valid regular expression",
+        "pin-regex",
+    ),
+    _case(
+        MIXED,
+        "{'down_proj$': int8}",
+        "{'down_proj$': int5}",
+        r"quantization.mixed.pins\['down_proj\$'\]",
+        "unknown candidate 'int5'",
+        "pin-candidate",
+    ),
+    _case(
+        MIXED,
+        "[int4-g128, int8]",
+        "[int4-g128, int4-g100]",
+        r"quantization.mixed.candidates\[1\]",
+        "unknown candidate 'int4-g100'; use int<bits>",
+        "candidate",
+    ),
+    _case(
+        MIXED,
+        "[int4-g128, int8]",
+        "[]",
+        "quantization.mixed.candidates",
+        "expected at least one item, got an empty list",
+        "no-candidates",
+    ),
+    # rules across keys
+    _case(
+        MIXED,
+        "    target_bits: 4.5\n",
+        "    max_size_mb: 60\n    target_bits: 4.5\n",
+        "quantization.mixed",
+        "give exactly one budget",
+        "one-budget",
+        -1,
+    ),
+    _case(
+        MIXED,
+        "    mode: proxy",
+        "    mode: proxy\n  plan: p.yaml",
+        "quantization.plan",
+        "give either 'mixed' or 'plan', not both",
+        "mixed-and-plan",
+        1,
+    ),
+    _case(
+        MIXED,
+        "    mode: proxy",
+        "    mode: proxy\n  scheme: {bits: 8}",
+        "quantization.scheme",
+        "a scheme does not apply with 'mixed' or 'plan'",
+        "scheme-with-mixed",
+        1,
+    ),
+    _case(FULL, FULL, "- model: m\n", "", "expected a mapping with keys model, output, calibration", "not-a-mapping"),
+]
+
+
+@pytest.mark.parametrize(("base", "old", "new", "key_path", "hint", "delta"), RULES)
+def test_each_rule_names_file_line_path_and_hint(
+    tmp_path: Path, base: str, old: str, new: str, key_path: str, hint: str, delta: int
+) -> None:
+    assert base.count(old) == 1, old
+    line = base[: base.index(old)].count("\n") + 1 + delta
+    path = tmp_path / "r.yaml"
+    path.write_text(base.replace(old, new))
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path)
+    message = str(info.value)
+    assert re.match(rf"{re.escape(str(path))}:{line}: " + (rf"{key_path}: " if key_path else ""), message), message
+    assert hint in message, message
+
+
+def test_set_override_errors_name_the_override():
+    message = _error(BASE, ["evaluation.windows=0"])
+    assert message.startswith("r.yaml (--set evaluation.windows=0): evaluation.windows: expected a value >= 1, got 0")
+    message = _error(BASE, ["model.name=x"])
+    assert message == "r.yaml (--set model.name=x): 'model' is not a mapping, cannot set a key in it"
+
+
+def test_defaults_come_from_the_config_classes():
+    from quantkit.data.calibration import CalibrationConfig
+    from quantkit.eval.evaluate import EvalConfig
+    from quantkit.mixed.candidates import DEFAULT_CANDIDATES
+    from quantkit.quantization.methods import resolve_scheme
+    from quantkit.quantization.solvers.gptq import GPTQConfig
+
+    recipe = recipe_from_text("model: m\noutput: {directory: o}\n")
+    cal = recipe.calibration
+    assert (cal.num_samples, cal.seq_len, cal.strategy) == (
+        CalibrationConfig.num_samples,
+        CalibrationConfig.seq_len,
+        "random",
+    )
+    assert recipe.quantization.damp == GPTQConfig.damp and recipe.evaluation.batch_size == EvalConfig.batch_size
+    assert recipe.evaluation.windows == 40 and recipe.smoke.max_tokens == 16
+    assert recipe.quantization.quant_scheme() == resolve_scheme("gptq")
+    awq = recipe_from_text("model: m\noutput: {directory: o}\nquantization: {method: awq, scheme: {act_order: true}}\n")
+    assert awq.quantization.quant_scheme() == resolve_scheme("awq", act_order=True)
+    mixed = recipe_from_text(MIXED.replace("    candidates: [int4-g128, int8]\n", ""))
+    assert mixed.quantization.mixed is not None and mixed.quantization.mixed.candidates == list(DEFAULT_CANDIDATES)

@@ -251,6 +251,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_triton_backend_matches_torch_backend(tiny_model_dir: Path) -> None:
     """The Triton KV-write and paged decode kernels (CPU interpreter here) give the torch backend's tokens."""
     import json

@@ -234,6 +234,7 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(srv, client):
     assert "quantkit_num_requests_running 0" in metrics and "quantkit_num_requests_in_flight 0" in metrics
 
 
+@pytest.mark.slow
 def test_disconnect_while_waiting_for_a_full_response_aborts(srv):
     body = {"model": MODEL, "prompt": "the a of", "max_tokens": LONG, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
@@ -241,6 +242,7 @@ def test_disconnect_while_waiting_for_a_full_response_aborts(srv):
     assert _wait(lambda: _idle(srv)), "the abandoned request kept running"
 
 
+@pytest.mark.slow
 def test_sigterm_drains_then_exits_zero(model_dir):
     cmd = [sys.executable, "-m", "quantkit", "serve", str(model_dir), "--port", "0", "--served-model-name", MODEL]
     cmd += ["--kv-cache-blocks", "256", "--drain-timeout", "60"]
@@ -286,6 +288,7 @@ def _read_url(proc: subprocess.Popen, timeout: float) -> str:
     return found[0]
 
 
+@pytest.mark.slow
 def test_serving_imports_no_solver_code():
     code = (
         "import sys, quantkit.server.app, quantkit.server.runner, quantkit.server.smoke;"

@@ -35,6 +35,7 @@ def test_run_smoke_on_a_tiny_checkpoint_is_ok(tiny_model_dir):
     }
 
 
+@pytest.mark.slow
 def test_smoke_reports_a_mismatch_and_the_cli_exits_nonzero(tiny_model_dir, monkeypatch, capsys, tmp_path):
     generate = LLM.generate
 
@@ -50,6 +51,7 @@ def test_smoke_reports_a_mismatch_and_the_cli_exits_nonzero(tiny_model_dir, monk
     assert code == 1 and "smoke failed" in err
 
 
+@pytest.mark.slow
 def test_smoke_cli_passes(tiny_model_dir, capsys, tmp_path):
     out_json = tmp_path / "smoke.json"
     code, out, err = run_cli(["smoke", str(tiny_model_dir), "--max-tokens", "4", "--json", str(out_json)], capsys)

@@ -1,0 +1,233 @@
+"""The offline commands: calibrate, quantize, eval, inspect. Each builds one config and calls one function."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from quantkit.cli.app import JsonOption, ModelOption, app, err, out, write_json_option
+from quantkit.data.calibration import CalibrationConfig
+from quantkit.eval.evaluate import EvalConfig
+from quantkit.format.scheme import QuantScheme
+from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
+from quantkit.quantization.methods import METHODS
+from quantkit.quantization.solvers.gptq import GPTQConfig
+
+NumSamples = Annotated[int, typer.Option(help="Number of windows.")]
+SeqLen = Annotated[int, typer.Option(help="Tokens per window.")]
+TextColumn = Annotated[str, typer.Option(help="Text field of jsonl/json/parquet/HF records.")]
+
+
+@app.command()
+def calibrate(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Safetensors file to write.")],
+    model: ModelOption = "smollm2-135m",
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="File (.txt/.jsonl/.json/.parquet), directory, or HF dataset name[:config][:split]."),
+    ] = CalibrationConfig.dataset,
+    num_samples: NumSamples = CalibrationConfig.num_samples,
+    seq_len: SeqLen = CalibrationConfig.seq_len,
+    seed: Annotated[int, typer.Option(help="Random seed (same seed, same windows).")] = CalibrationConfig.seed,
+    strategy: Annotated[
+        str, typer.Option(help="random (windows over the joined text) or document.")
+    ] = CalibrationConfig.strategy,
+    min_length: Annotated[
+        int | None, typer.Option(help="document strategy: minimum document tokens.")
+    ] = CalibrationConfig.min_length,
+    select: Annotated[
+        str, typer.Option(help="random, or diverse (TF-IDF + k-means coverage).")
+    ] = CalibrationConfig.select,
+    text_column: TextColumn = CalibrationConfig.text_column,
+) -> None:
+    """Collect calibration token windows (default text: the shipped Jane Austen corpus)."""
+    from quantkit.data.calibration import build_calibration
+
+    config = CalibrationConfig(
+        dataset=dataset,
+        num_samples=num_samples,
+        seq_len=seq_len,
+        seed=seed,
+        strategy=strategy,
+        min_length=min_length,
+        select=select,
+        text_column=text_column,
+    )
+    result = build_calibration(model, config, output=output)
+    table = Table(title="Calibration")
+    table.add_column("field")
+    table.add_column("value")
+    meta = result.calibration.metadata
+    for key, value in (
+        ("output", str(output)),
+        ("windows", f"{result.calibration.num_samples} x {result.calibration.seq_len}"),
+        ("source", meta["source"]),
+        ("documents", str(result.documents)),
+        ("source tokens", f"{result.source_tokens:,}"),
+        ("source sha256", meta["source_hash"][:16]),
+        ("seconds", f"{result.seconds:.1f}"),
+    ):
+        table.add_row(key, value)
+    out.print(table)
+
+
+@app.command("eval")
+def eval_(
+    model: Annotated[str, typer.Argument(help="Model or quantized checkpoint: directory, hub id, or alias.")],
+    dataset: Annotated[
+        str | None, typer.Option(help="Evaluation text (file, directory or HF dataset); default: held-out Persuasion.")
+    ] = EvalConfig.dataset,
+    seq_len: SeqLen = EvalConfig.seq_len,
+    max_windows: Annotated[
+        int | None, typer.Option(help="Evaluate at most this many windows.")
+    ] = EvalConfig.max_windows,
+    stride: Annotated[int | None, typer.Option(help="Window stride (default: non-overlapping).")] = EvalConfig.stride,
+    reference: Annotated[
+        str | None, typer.Option(help="Reference model for KL divergence and top-1 agreement.")
+    ] = EvalConfig.reference,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = EvalConfig.batch_size,
+    text_column: TextColumn = EvalConfig.text_column,
+    json_out: JsonOption = None,
+) -> None:
+    """Perplexity, and with --reference: KL divergence (mean, p99) and top-1 agreement."""
+    from quantkit.eval.evaluate import evaluate
+
+    config = EvalConfig(
+        dataset=dataset,
+        seq_len=seq_len,
+        max_windows=max_windows,
+        stride=stride,
+        reference=reference,
+        batch_size=batch_size,
+        text_column=text_column,
+    )
+    result = evaluate(model, config)
+    write_json_option(json_out, result.to_dict())
+    table = Table(title=f"Evaluation of {model}")
+    for column in ("perplexity", "tokens", "windows", "seq len", "KL mean", "KL p99", "top-1 agree", "seconds"):
+        table.add_column(column, justify="right")
+
+    def fmt(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    table.add_row(
+        f"{result.perplexity:.3f}",
+        f"{result.tokens:,}",
+        str(result.windows),
+        str(result.seq_len),
+        fmt(result.kl_mean, ".5f"),
+        fmt(result.kl_p99, ".4f"),
+        fmt(result.top1_agreement, ".4f"),
+        f"{result.seconds:.1f}",
+    )
+    out.print(table)
+
+
+@app.command()
+def quantize(
+    model: Annotated[str, typer.Argument(help="Float model: local HF directory, hub id, or alias (smollm2-135m).")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")],
+    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}.")] = DEFAULT_METHOD,
+    bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = QuantScheme.bits,
+    group_size: Annotated[
+        int, typer.Option(help="Columns per scale group; -1 for per-channel.")
+    ] = QuantScheme.group_size,
+    sym: Annotated[
+        bool | None,
+        typer.Option("--sym/--asym", help="Symmetric or asymmetric (default: sym; asym for AWQ, as in AutoAWQ)."),
+    ] = None,
+    act_order: Annotated[
+        bool | None,
+        typer.Option(help="GPTQ: columns by descending Hessian diagonal (default: on for gptq and awq+gptq)."),
+    ] = None,
+    static_groups: Annotated[
+        bool | None, typer.Option(help="With --act-order: groups fixed in column order (no g_idx; default on).")
+    ] = None,
+    mse_clip: Annotated[
+        bool | None,
+        typer.Option(help="Search a shrunken range per group, weighted by the Hessian (default: on for gptq)."),
+    ] = None,
+    damp: Annotated[float, typer.Option(help="GPTQ damping, as a fraction of the mean Hessian diagonal.")] = (
+        GPTQConfig.damp
+    ),
+    block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = GPTQConfig.block_size,
+    calib: Annotated[
+        Path | None,
+        typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
+    ] = None,
+    num_samples: Annotated[
+        int, typer.Option(help="Without --calib: windows drawn from the shipped corpus.")
+    ] = CalibrationConfig.num_samples,
+    seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = CalibrationConfig.seq_len,
+    ignore: Annotated[
+        list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
+    ] = None,
+    plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
+    resume: Annotated[bool, typer.Option(help="Continue an interrupted run after its last finished block.")] = False,
+    force: Annotated[
+        bool, typer.Option(help="Replace an existing output directory (once the new one is done).")
+    ] = False,
+    batch_size: Annotated[int, typer.Option(help="Calibration windows per forward pass.")] = QuantizeConfig.batch_size,
+    max_shard_size: Annotated[
+        int, typer.Option(help="Largest checkpoint shard, in MB (held in memory).")
+    ] = QuantizeConfig.max_shard_bytes // 1_000_000,
+    json_out: JsonOption = None,
+) -> None:
+    """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
+    from quantkit.quantization.methods import expand_method, resolve_scheme
+    from quantkit.quantization.pipeline import quantize_model
+
+    gptq = GPTQConfig(damp=damp, block_size=block_size)  # checked for every method, as the flags are
+    options = {"symmetric": sym, "act_order": act_order, "static_groups": static_groups, "mse_clip": mse_clip}
+    config = QuantizeConfig(
+        solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(method)],
+        scheme=resolve_scheme(method, bits=bits, group_size=group_size, **options),
+        calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
+        calibration_file=calib,
+        ignore=list(ignore or []),
+        resume=resume,
+        force=force,
+        batch_size=batch_size,
+        max_shard_bytes=max_shard_size * 1_000_000,
+    )
+    if plan is not None:
+        from quantkit.mixed.plan_apply import planned_schemes
+
+        config.planned = planned_schemes(plan, model)
+    if method == "rtn" and calib is not None:
+        err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
+    result = quantize_model(model, config, output)
+    table = Table(title=f"Quantized {model} -> {output}")
+    for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
+        table.add_column(column, justify="right")
+    schemes = sorted({r.scheme for r in result.records})
+    table.add_row(
+        result.method,
+        ", ".join(schemes),
+        str(len(result.records)),
+        str(sum(r.fell_back_to_rtn for r in result.records)),
+        f"{result.seconds:.1f}",
+        f"{result.peak_rss_mb:.0f}",
+        f"{result.checkpoint_bytes / 1e6:.1f}",
+    )
+    out.print(table)
+    write_json_option(json_out, asdict(result) | {"output": str(result.output)})
+
+
+@app.command()
+def inspect(
+    checkpoint: Annotated[Path, typer.Argument(help="A quantized checkpoint directory.")],
+    reference: Annotated[Path | None, typer.Option(help="The original model directory, for the size ratio.")] = None,
+    json_out: JsonOption = None,
+) -> None:
+    """Scheme per layer, bits per weight (scales and zeros counted), size against the original."""
+    from quantkit.format.inspect import inspect_checkpoint, render_report
+    from quantkit.model.resolve import resolve_model
+
+    report = inspect_checkpoint(checkpoint, resolve_model(str(reference)) if reference else None)
+    out.print(render_report(report))
+    write_json_option(json_out, report.to_dict())

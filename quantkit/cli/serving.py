@@ -1,0 +1,86 @@
+"""Serving from the command line: an OpenAI-compatible server, and a smoke test of one on loopback."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from quantkit.cli.app import JsonOption, app, fail, out, write_json_option
+from quantkit.server.config import ServeConfig
+
+
+@app.command()
+def serve(
+    model: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory, hub id or alias.")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = ServeConfig.host,
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = ServeConfig.port,
+    max_num_seqs: Annotated[
+        int, typer.Option(help="Sequences in the running batch at most.")
+    ] = ServeConfig.max_num_seqs,
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Prompt + completion tokens at most.")
+    ] = ServeConfig.max_model_len,
+    kv_cache_blocks: Annotated[
+        int | None, typer.Option(help="KV-cache blocks (default: sized from memory).")
+    ] = ServeConfig.kv_cache_blocks,
+    api_key: Annotated[
+        str | None, typer.Option(envvar="QUANTKIT_API_KEY", help="Require this bearer token (not on /health).")
+    ] = ServeConfig.api_key,
+    max_queue: Annotated[
+        int, typer.Option(help="Requests waiting beyond the running batch; more get 429.")
+    ] = ServeConfig.max_queue,
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients send (default: MODEL).")
+    ] = ServeConfig.served_model_name,
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds running requests get after SIGTERM.")
+    ] = ServeConfig.drain_timeout,
+    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
+    from quantkit.server.runner import serve as run_server
+
+    config = ServeConfig(
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_queue=max_queue,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        kv_cache_blocks=kv_cache_blocks,
+        drain_timeout=drain_timeout,
+        log_level=log_level,
+    )
+    run_server(model, config)
+
+
+@app.command()
+def smoke(
+    checkpoint: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory or alias.")],
+    prompt: Annotated[list[str] | None, typer.Option(help="Prompt to send (repeatable; default: two).")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 16,
+    json_out: JsonOption = None,
+) -> None:
+    """Start the server on loopback, check completion/chat/streaming answers against offline greedy output."""
+    from quantkit.server.smoke import run_smoke
+
+    report = run_smoke(checkpoint, prompt or None, max_tokens)
+    table = Table(title=f"Serving smoke test of {checkpoint}")
+    for column in ("requests", "p50 latency s", "max latency s", "mean TTFT s", "tokens/s", "seconds"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        str(report.requests),
+        f"{report.latency_p50_s:.3f}",
+        f"{report.latency_max_s:.3f}",
+        f"{report.ttft_mean_s:.3f}",
+        f"{report.tokens_per_s:.1f}",
+        f"{report.seconds:.1f}",
+    )
+    out.print(table)
+    write_json_option(json_out, report.to_dict())
+    if not report.ok:
+        fail(report.failures, "smoke failed")
+    out.print("[green]smoke test passed[/]")

@@ -1,0 +1,89 @@
+"""The loop over decoder blocks that quantization and sensitivity share.
+
+:func:`walk_blocks` visits the blocks of a skeleton model in order, each loaded from the source shards before the
+visit and released after it, with the freed heap returned to the OS and the progress bar advanced, so one block's
+weights are in memory at a time. :func:`stage_hessians` runs a :class:`StagedBlock` stage by stage and yields each
+stage with the Hessian of its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from quantkit.model.architectures import ArchSpec, Stage
+from quantkit.model.blocks import embed, get_module
+from quantkit.model.source_weights import SourceWeights, load_module, release_module
+from quantkit.progress import progress_bar
+from quantkit.quantization.memory import release_freed_memory
+from quantkit.quantization.staged_block import StagedBlock
+from quantkit.quantization.statistics import HessianStat
+
+
+@dataclass(slots=True)
+class BlockVisit:
+    index: int
+    prefix: str  # full module name, e.g. "model.layers.3"
+    module: nn.Module
+
+
+def walk_blocks(
+    model: nn.Module,
+    arch: ArchSpec,
+    weights: SourceWeights | None,
+    *,
+    description: str,
+    first: int = 0,
+    dtype: torch.dtype = torch.float32,
+    show_progress: bool = True,
+) -> Iterator[BlockVisit]:
+    """Each decoder block from ``first`` on, with its weights loaded (as ``dtype``) from ``weights`` during the
+    visit and released after it. ``weights`` None: the model is already loaded; blocks are visited as they are."""
+    layers = get_module(model, arch.layers_path)
+    with progress_bar(show_progress) as bar:
+        task = bar.add_task(description, total=len(layers), completed=first)
+        for index in range(first, len(layers)):
+            prefix = f"{arch.layers_path}.{index}"
+            block = layers[index]
+            if weights is not None:
+                load_module(block, prefix, weights, dtype=dtype)
+            yield BlockVisit(index, prefix, block)
+            if weights is not None:
+                release_module(block)
+            release_freed_memory()
+            bar.advance(task)
+
+
+def stage_hessians(staged: StagedBlock, *, with_hessian: bool = True) -> Iterator[tuple[Stage, torch.Tensor | None]]:
+    """Run ``staged`` stage by stage, in order; yield each stage with the Hessian ``2 X^T X / n`` of its inputs.
+
+    ``with_hessian`` False: the stages only run (for the block's output), and None is yielded. Use a stage's
+    Hessian (e.g. solve and write back its weights) before asking for the next stage: the next one's inputs are
+    computed from the block as it is then.
+    """
+    for stage in staged.arch.stages:
+        stat = HessianStat.zeros(get_module(staged.block, stage.head).in_features) if with_hessian else None
+        for x in staged.stage_inputs(stage.name):
+            if stat is not None:
+                stat.update(x)
+        hessian = None if stat is None else stat.hessian()
+        del stat
+        release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
+        yield stage, hessian
+
+
+def embed_inputs(
+    model: nn.Module, arch: ArchSpec, weights: SourceWeights | None, input_ids: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """The first block's input: the embeddings of ``input_ids``, stored as ``dtype``. ``weights``: load the
+    embedding from them for the call and release it after (None: the model holds its weights already)."""
+    embedding = get_module(model, arch.embed_path)
+    if weights is not None:
+        load_module(embedding, arch.embed_path, weights, dtype=dtype)
+    hidden = embed(model, arch, input_ids, dtype)
+    if weights is not None:
+        release_module(embedding)
+    return hidden

@@ -1,0 +1,93 @@
+"""From finished blocks to the checkpoint: each block's tensors (packed linears, the rest in the storage dtype),
+then the whole directory (non-block tensors, the blocks from the work directory, config.json with its
+``quantization_config``, the tokenizer files, and ``quantkit_log.json``), written atomically."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from quantkit.format.scheme import QuantizedWeight
+from quantkit.format.tensors import linear_tensors
+from quantkit.format.writer import ShardedWriter
+from quantkit.model.source_weights import config_json
+from quantkit.quantization.job import QuantizeJob
+from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.workdir import WorkDir
+
+LOG_FILE = "quantkit_log.json"
+_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def block_tensors(
+    block: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], storage: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one block: packed quantized linears, everything else in the storage dtype."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in block.state_dict().items():
+        module_name = name.rpartition(".")[0]
+        if module_name in quantized and name.endswith(".weight"):
+            continue
+        tensors[f"{prefix}.{name}"] = tensor.to(storage) if tensor.is_floating_point() else tensor.clone()
+    for name, qw in quantized.items():
+        tensors.update(linear_tensors(f"{prefix}.{name}", qw, storage))
+    return tensors
+
+
+def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
+    """The checkpoint directory at ``job.output`` from the source's other tensors and the finished blocks."""
+    model_config = config_json(job.source)
+    model_config.pop("quantization_config", None)
+    layer_prefix = job.arch.layers_path + "."
+    writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
+    with writer:
+        for name in job.weights.names():
+            if not name.startswith(layer_prefix):
+                writer.add({name: job.weights.get(name)})
+        for index in range(work.finished):
+            with safe_open(str(work.block_file(index)), framework="pt") as f:
+                writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
+        (writer.tmp_dir / LOG_FILE).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
+        writer.finalize(model_config, _copied_files(job.source), job.assignment.quantization_config())
+
+
+def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
+    gptq = job.config.gptq or GPTQConfig()
+    calibration = job.calibration
+    return {
+        "method": job.config.method,
+        "damp": gptq.damp,
+        "block_size": gptq.block_size,
+        "calibration": None if calibration is None else calibration.metadata,
+        "calibration_shape": None if calibration is None else list(calibration.input_ids.shape),
+        "fingerprints": work.state["fingerprints"],
+        "layers": [record.to_dict() for record in work.records],
+    }
+
+
+def _copied_files(source: Path) -> list[Path]:
+    """The source's tokenizer and generation files (not its weights or config)."""
+    return [
+        f
+        for f in sorted(source.iterdir())
+        if f.is_file()
+        and f.name not in _NOT_COPIED
+        and not f.name.startswith(".")
+        and not f.name.endswith(_WEIGHT_SUFFIXES)
+    ]
+
+
+def read_run_fingerprints(output: Path) -> dict[str, str] | None:
+    """The fingerprints a finished checkpoint recorded, or None when it is not a complete quantkit checkpoint."""
+    log = output / LOG_FILE
+    if not log.is_file() or not any(output.glob("*.safetensors")):
+        return None
+    try:
+        return dict(json.loads(log.read_text()).get("fingerprints") or {})
+    except (json.JSONDecodeError, AttributeError):
+        return None

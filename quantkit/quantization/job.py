@@ -1,0 +1,74 @@
+"""One quantization run, resolved once before the block loop: where the weights come from and go, the
+architecture, the calibration windows, the scheme of every linear, and the fingerprints that guard ``--resume``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from quantkit.data.calibration import CalibrationSet
+from quantkit.model.architectures import ArchSpec
+from quantkit.model.source_weights import SourceWeights, config_json
+from quantkit.quantization.assignment import SchemeAssignment, uniform_assignment
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.solvers.gptq import GPTQConfig
+
+NO_CALIBRATION = "none"
+
+
+@dataclass(slots=True)
+class QuantizeJob:
+    model: str  # the model argument as given (alias, directory or hub id)
+    config: QuantizeConfig
+    source: Path  # the float model's directory
+    output: Path
+    arch: ArchSpec
+    num_layers: int
+    weights: SourceWeights
+    storage: torch.dtype  # the float weights' dtype: unquantized tensors and scales are stored in it
+    assignment: SchemeAssignment
+    calibration: CalibrationSet | None  # None: data-free (round-to-nearest)
+
+    def fingerprints(self) -> dict[str, str]:
+        """What the output depends on, recorded in the work directory and the checkpoint's log."""
+        return run_fingerprints(self.config, self.assignment, self.weights.fingerprint(), self.calibration)
+
+
+def scheme_assignment(config: QuantizeConfig, arch: ArchSpec, num_layers: int) -> SchemeAssignment:
+    """The scheme of every block linear: the plan's (solved with the run's options) or one scheme for all."""
+    planned = config.planned_schemes()
+    if planned is not None:
+        return SchemeAssignment(planned)
+    return uniform_assignment(arch, num_layers, config.resolved_scheme(), config.ignore)
+
+
+def num_layers_of(source: Path) -> int:
+    return int(config_json(source)["num_hidden_layers"])
+
+
+def run_fingerprints(
+    config: QuantizeConfig, assignment: SchemeAssignment, weights: str, calibration: CalibrationSet | None
+) -> dict[str, str]:
+    """Fingerprints of the weights, the calibration windows and everything that decides the solve."""
+    return {
+        "model": weights,
+        "calibration data": NO_CALIBRATION if calibration is None else calibration.fingerprint(),
+        "scheme": _solve_fingerprint(config, assignment),
+    }
+
+
+def _solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
+    gptq = config.gptq or GPTQConfig()
+    spec = {
+        "method": config.method,
+        "awq": None if config.awq is None else asdict(config.awq),
+        "damp": gptq.damp,
+        "block_size": gptq.block_size,
+        "batch_size": config.batch_size,
+        "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
+    }
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,0 +1,152 @@
+"""Layer-by-layer quantization: prepare the job, quantize block after block, write the checkpoint.
+
+Only one decoder block's weights are materialised at a time (the rest of the model stays on the meta device
+and is read lazily from the safetensors shards), so models larger than RAM can be quantized. Each finished
+block is saved to ``<output>.partial/`` and ``--resume`` continues after the last one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from quantkit.data.model_calibration import calibration_for_model
+from quantkit.errors import QuantkitError
+from quantkit.model.blocks import BlockRunner
+from quantkit.model.source_weights import SourceWeights, build_skeleton
+from quantkit.quantization.block_loop import embed_inputs, walk_blocks
+from quantkit.quantization.checkpoint_output import block_tensors, write_checkpoint
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
+from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
+from quantkit.quantization.methods import SolverConfig
+from quantkit.quantization.quantize_block import BlockPass, quantize_block
+from quantkit.quantization.records import LayerRecord
+from quantkit.quantization.spill import SpillFile
+from quantkit.quantization.workdir import WorkDir, partial_dir
+
+
+@dataclass(slots=True)
+class QuantizeResult:
+    output: Path
+    method: str
+    seconds: float
+    peak_rss_mb: float
+    checkpoint_bytes: int
+    blocks: int
+    resumed_from: int
+    records: list[LayerRecord] = field(default_factory=list)
+
+
+def quantize_model(
+    model: str | Path,
+    config: QuantizeConfig | SolverConfig | Sequence[SolverConfig] | str | None,
+    output: str | Path,
+    *,
+    on_block_done: Callable[[int], None] | None = None,
+) -> QuantizeResult:
+    """Quantize ``model`` (a float model: directory, hub id or alias) into a packed compressed-tensors checkpoint
+    at ``output``; ``quantkit.quantize`` is this function.
+
+    ``config``: a :class:`QuantizeConfig`, or what :meth:`QuantizeConfig.of` turns into one (a method such as
+    ``"awq+gptq"``, ``GPTQConfig()``, ``[AWQConfig(), GPTQConfig()]``). ``on_block_done(index)`` is called after
+    each finished block.
+    """
+    config = QuantizeConfig.of(config)
+    config.validate()
+    start = time.perf_counter()
+    output = Path(output)
+    with SourceWeights(_float_source(str(model), output, config)) as weights:
+        job = _prepare(str(model), config, output, weights)
+        work = WorkDir.open(partial_dir(output), job.fingerprints(), resume=config.resume)
+        resumed_from = work.finished
+        _run_blocks(job, work, on_block_done)
+        write_checkpoint(job, work)
+    work.remove()
+    return QuantizeResult(
+        output=output,
+        method=config.method,
+        seconds=time.perf_counter() - start,
+        peak_rss_mb=peak_rss_mb(),
+        checkpoint_bytes=sum(f.stat().st_size for f in output.glob("*.safetensors")),
+        blocks=job.num_layers,
+        resumed_from=resumed_from,
+        records=work.layer_records,
+    )
+
+
+def _float_source(model: str, output: Path, config: QuantizeConfig) -> Path:
+    from quantkit.model.resolve import arch_for_dir, is_quantized_dir, resolve_model
+
+    source = resolve_model(model)
+    arch_for_dir(source)  # an unsupported architecture fails before any work
+    if is_quantized_dir(source):
+        raise QuantkitError(f"'{model}' is already quantized; pass the original float model")
+    if output.exists() and not config.force:
+        raise QuantkitError(
+            f"output directory '{output}' exists; pass --force to replace it once the new one is complete"
+        )
+    return source
+
+
+def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWeights) -> QuantizeJob:
+    from quantkit.model.resolve import arch_for_dir, load_tokenizer
+
+    source = weights.path
+    arch = arch_for_dir(source)
+    calibration = None
+    if config.needs_calibration:
+        calibration = calibration_for_model(model, config.calibration, config.calibration_file, load_tokenizer(source))
+    release_freed_memory()  # tokenization's temporaries
+    num_layers = num_layers_of(source)
+    return QuantizeJob(
+        model=model,
+        config=config,
+        source=source,
+        output=output,
+        arch=arch,
+        num_layers=num_layers,
+        weights=weights,
+        storage=weights.storage_dtype(),
+        assignment=scheme_assignment(config, arch, num_layers),
+        calibration=calibration,
+    )
+
+
+def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], None] | None) -> None:
+    skeleton = build_skeleton(job.source)
+    run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage)
+    hidden: torch.Tensor | None = None
+    # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
+    load_dtype = job.storage
+    if job.calibration is not None:
+        load_dtype = torch.float32
+        run.runner = BlockRunner.for_model(skeleton, job.arch, job.calibration.seq_len, job.config.batch_size)
+        if work.finished == 0:
+            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage)
+        else:
+            hidden = work.load_hidden()
+    with SpillFile(work.spill_file) as spill:
+        run.spill = spill
+        visits = walk_blocks(
+            skeleton,
+            job.arch,
+            job.weights,
+            description=f"Quantizing ({job.config.method})",
+            first=work.finished,
+            dtype=load_dtype,
+            show_progress=job.config.show_progress,
+        )
+        for visit in visits:
+            schemes = job.assignment.for_block(visit.prefix)
+            done = quantize_block(visit.module, visit.prefix, hidden, schemes, run)
+            hidden = done.output
+            tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage)
+            work.save_block(visit.index, tensors, hidden, done.records)
+            del done, tensors
+            if on_block_done is not None:
+                on_block_done(visit.index)

@@ -1,0 +1,102 @@
+"""Quantizing one decoder block: transforms of the float block (AWQ), then each stage's linears solved on the
+inputs computed with every earlier stage already quantized, then the block's output for the next block."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.model.architectures import ArchSpec
+from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.quantization.block_loop import stage_hessians
+from quantkit.quantization.dispatch import split_solvers, weight_solver
+from quantkit.quantization.memory import release_freed_memory
+from quantkit.quantization.methods import SolverConfig
+from quantkit.quantization.records import RunRecord
+from quantkit.quantization.spill import SpillFile
+from quantkit.quantization.staged_block import StagedBlock
+
+BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
+
+
+@dataclass(slots=True)
+class BlockPass:
+    """What quantizing a block needs besides the block and its input; the same for every block of a run."""
+
+    arch: ArchSpec
+    solvers: Sequence[SolverConfig]
+    storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
+    runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
+    spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)
+
+
+@dataclass(slots=True)
+class QuantizedBlock:
+    weights: dict[str, QuantizedWeight]  # by linear path relative to the block
+    output: torch.Tensor | None  # the next block's input (None when data-free)
+    records: list[RunRecord] = field(default_factory=list)
+
+
+def write_back_dequantized(linear: nn.Linear, weight: QuantizedWeight) -> None:
+    """The float block now computes with the quantized weight (later stages see its output)."""
+    linear.weight.data = weight.dequantize(torch.float32)
+
+
+def quantize_block(
+    block: nn.Module, prefix: str, hidden: torch.Tensor | None, schemes: BlockSchemes, run: BlockPass
+) -> QuantizedBlock:
+    """Quantize one block in place: its linears end up holding their dequantized weights.
+
+    ``hidden`` [n, T, H]: the block's calibration input (None for a data-free run); the output is written over
+    it (one activation buffer less): pass a clone to keep the input.
+    """
+    if run.runner is None or hidden is None:
+        return _quantize_data_free(block, prefix, schemes, run)
+    transforms, last = split_solvers(run.solvers)
+    solver = weight_solver(last)
+    out = QuantizedBlock({}, None)
+    for config, transform in transforms:
+        out.records += transform.apply(config, block, prefix, run.arch, hidden, run.runner, schemes, run.storage)
+    staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
+    for stage, hessian in stage_hessians(staged, with_hessian=solver.needs_hessian):
+        for names, scheme in _same_scheme_runs(stage.linears, schemes):
+            linears = [get_module(block, name) for name in names]
+            weights = [linear.weight.data for linear in linears]
+            fulls = [f"{prefix}.{name}" for name in names]
+            solved = solver.solve(last, weights, hessian, scheme, run.storage, fulls)
+            for name, linear, (weight, record) in zip(names, linears, solved, strict=True):
+                write_back_dequantized(linear, weight)
+                out.weights[name] = weight
+                out.records.append(record)
+    release_freed_memory()
+    out.output = staged.output()
+    return out
+
+
+def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, run: BlockPass) -> QuantizedBlock:
+    """Each linear straight from its stored weight: no calibration, no forward pass."""
+    transforms, last = split_solvers(run.solvers)
+    solver = weight_solver(last)
+    assert not transforms and not solver.needs_hessian, "only round-to-nearest alone runs without data"
+    out = QuantizedBlock({}, None)
+    for name, scheme in schemes.items():
+        if scheme is not None:
+            stored = get_module(block, name).weight.data
+            ((weight, record),) = solver.solve(last, [stored], None, scheme, run.storage, [f"{prefix}.{name}"])
+            out.weights[name] = weight
+            out.records.append(record)
+    return out
+
+
+def _same_scheme_runs(linears: tuple[str, ...], schemes: BlockSchemes) -> list[tuple[list[str], QuantScheme]]:
+    """The stage's quantized linears grouped by scheme (a fused group always forms one run)."""
+    runs: dict[QuantScheme, list[str]] = {}
+    for name in linears:
+        scheme = schemes.get(name)
+        if scheme is not None:
+            runs.setdefault(scheme, []).append(name)
+    return [(names, scheme) for scheme, names in runs.items()]

@@ -1,0 +1,301 @@
+"""GPTQ (Frantar et al., 2022) as one pure function: weight + Hessian in, quantized weight out.
+
+No hooks, no model walking, no I/O. The loop follows the reference implementation: columns are processed
+in blocks of ``block_size``; inside a block each column is quantized and its error, scaled by the upper
+Cholesky factor ``U`` of ``H^-1``, is spread over the remaining block columns; the rest of the matrix gets
+one lazy batch update per block (``W[:, i2:] -= Err1 @ U[i1:i2, i2:]``).
+
+Loss reported: ``sum_j err_j**2`` with ``err_j = (w_j - q_j) / U_jj``, which equals exactly
+``tr((W - W_hat) H_damped (W - W_hat)^T)`` (the Hessian-weighted error of :func:`hessian_weighted_error`
+under the damped Hessian, with dead columns zeroed). With ``H = 2 X^T X / n`` that is twice the mean
+per-token squared output error (summed over output channels).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.quantization.solvers.grid import all_group_qparams, compute_qparams, quantize_rtn
+
+_RETRY_MIN_DAMP = 1e-4  # so that a failed damp=0 attempt is retried with some damping
+
+
+@dataclass
+class GPTQConfig:
+    damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
+    block_size: int = 128
+    damp_retries: int = 3  # extra attempts, each with damp *= damp_growth
+    damp_growth: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.damp < 1:
+            raise QuantkitError(f"--damp must be in [0, 1), got {self.damp}")
+        if self.damp < 0 or self.damp_growth <= 1 or self.damp_retries < 0:
+            raise QuantkitError(
+                f"invalid GPTQ damping (damp={self.damp}, growth={self.damp_growth}, retries={self.damp_retries}); "
+                "use damp >= 0, damp_growth > 1, damp_retries >= 0"
+            )
+        if self.block_size <= 0:
+            raise QuantkitError(f"--block-size must be positive, got {self.block_size}")
+
+
+@dataclass(slots=True)
+class GPTQResult:
+    weight: QuantizedWeight
+    loss: float  # tr(dW H_damped dW^T); for the RTN fallback tr(dW H dW^T) on the given H (NaN if non-finite)
+    damp: float  # relative damping finally used
+    fell_back_to_rtn: bool
+
+
+@dataclass(slots=True)
+class _GroupPlan:
+    """Which group each column (in processing order) uses, and the group parameter tables."""
+
+    col_group: list[int]  # processing position -> group index
+    dynamic_end: dict[int, int]  # processing position that starts a dynamic group -> end position (exclusive)
+    scale: torch.Tensor  # float32 [N, G]
+    zero: torch.Tensor | None  # int8 [N, G]
+    g_idx: torch.Tensor | None  # int32 [K] in original column order
+
+    def set_params(self, g: int, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
+        self.scale[:, g] = scale[:, 0]
+        if self.zero is not None and zero is not None:
+            self.zero[:, g] = zero[:, 0]
+
+
+def hessian_weighted_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor, chunk: int = 256) -> float:
+    """``tr((W - W_hat) H (W - W_hat)^T)`` computed in float64.
+
+    ``H`` is converted ``chunk`` columns at a time, so no float64 copy of the whole [K, K] matrix is made.
+    """
+    delta = W.detach().double()
+    delta.sub_(W_hat.detach().to(device=delta.device, dtype=torch.float64))
+    total = torch.zeros((), dtype=torch.float64, device=delta.device)
+    for j0 in range(0, H.shape[1], chunk):
+        h = H[:, j0 : j0 + chunk].detach().to(device=delta.device, dtype=torch.float64)
+        total += ((delta @ h) * delta[:, j0 : j0 + chunk]).sum()
+    return float(total)
+
+
+def _validated(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 clones of ``W`` [N, K] and ``H`` [K, K] (the inputs are never modified)."""
+    if W.ndim != 2:
+        raise QuantkitError(f"GPTQ expects a 2-D weight [out, in], got shape {tuple(W.shape)}")
+    k = W.shape[1]
+    if tuple(H.shape) != (k, k):
+        raise QuantkitError(f"Hessian shape {tuple(H.shape)} does not match weight in-features {k}")
+    return W.detach().float().clone(), H.detach().to(device=W.device, dtype=torch.float32).clone()
+
+
+def _fix_dead_columns(W: torch.Tensor, H: torch.Tensor) -> None:
+    """Columns never activated (diag H == 0): zero the weight, isolate the column in H with diag 1 (in place)."""
+    dead = H.diagonal() == 0
+    if bool(dead.any()):
+        H[dead, :] = 0
+        H[:, dead] = 0
+        H[dead, dead] = 1
+        W[:, dead] = 0
+
+
+def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor | None:
+    """Upper Cholesky factor of ``H^-1`` (``H`` already damped), or None when it cannot be computed.
+
+    Each [K, K] intermediate is dropped as soon as the next one exists: they set the solver's peak memory.
+    """
+    try:
+        L, info = torch.linalg.cholesky_ex(H)
+        if int(info) != 0 or not bool(torch.isfinite(L).all()):
+            return None
+        inverse = torch.cholesky_inverse(L)
+        del L
+        U, info = torch.linalg.cholesky_ex(inverse, upper=True)
+    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
+        return None
+    if int(info) != 0 or not bool(torch.isfinite(U).all()):
+        return None
+    return U
+
+
+def _factor_with_retries(H: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor | None, float]:
+    """``U`` and the relative damp that worked; retries grow damp (from at least ``_RETRY_MIN_DAMP``).
+
+    ``H`` is damped in place (no second [K, K] copy); its diagonal is restored exactly before each retry and at
+    the end, so every attempt factors exactly ``H + damp * mean(diag H) * I``.
+    """
+    damp = config.damp
+    if not bool(torch.isfinite(H).all()):  # Cholesky reads one triangle only: check all of H up front
+        return None, damp
+    diagonal = H.diagonal()
+    original = diagonal.clone()
+    mean_diag = float(diagonal.mean())
+    try:
+        for attempt in range(config.damp_retries + 1):
+            if attempt:
+                damp = max(damp * config.damp_growth, _RETRY_MIN_DAMP)
+            diagonal.copy_(original).add_(damp * mean_diag)
+            U = _inverse_cholesky(H)
+            if U is not None:
+                return U, damp
+        return None, damp
+    finally:
+        diagonal.copy_(original)
+
+
+def _plan_groups(
+    W: torch.Tensor, diag: torch.Tensor, perm: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype
+) -> _GroupPlan:
+    """Resolve the grouping mode once. ``W``/``diag`` are in original column order."""
+    n, k = W.shape
+    size = scheme.group_len(k)
+    groups = scheme.num_groups(k)
+    if scheme.per_channel or scheme.static_groups:  # fixed up front on the un-updated W, original column order
+        scale, zero = all_group_qparams(W, scheme, scale_dtype=scale_dtype, col_weight=diag)
+        return _GroupPlan([c // size for c in perm.tolist()], {}, scale, zero, None)
+    scale = torch.empty(n, groups, device=W.device)
+    zero = None if scheme.symmetric else torch.empty(n, groups, dtype=torch.int8, device=W.device)
+    starts = {j: min(j + size, k) for j in range(0, k, size)}
+    g_idx = None
+    if scheme.act_order:  # groups formed in processing order: g_idx[perm[j]] = j // size
+        g_idx = (torch.argsort(perm) // size).to(torch.int32)
+    return _GroupPlan([j // size for j in range(k)], starts, scale, zero, g_idx)
+
+
+def _current_columns_t(
+    WT: torch.Tensor, W1T: torch.Tensor, Err1T: torch.Tensor, U: torch.Tensor, i1: int, i: int, end: int
+) -> torch.Tensor:
+    """Columns ``[i1 + i, end)`` as [N, L], updated by every column already quantized (incl. this block's).
+
+    ``WT``/``W1T``/``Err1T`` are transposed ([columns, N]): one column is one contiguous row.
+    """
+    i2 = i1 + W1T.shape[0]
+    inside = W1T[i : min(end, i2) - i1]
+    if end <= i2:
+        return inside.T
+    outside = WT[i2:end] - U[i1 : i1 + i, i2:end].T @ Err1T[:i]
+    return torch.cat([inside, outside]).T
+
+
+class _ColumnParams:
+    """Scale and zero (float32, contiguous [N]) of each column in processing order."""
+
+    def __init__(self, plan: _GroupPlan) -> None:
+        self.plan = plan
+        self.static = not plan.dynamic_end
+        groups = torch.tensor(plan.col_group, device=plan.scale.device)
+        # static groups: gathered once as [K, N] rows; dynamic: refreshed when a group's params are set
+        self.scale_t = plan.scale.T[groups].contiguous() if self.static else None
+        self.zero_t = None if plan.zero is None or not self.static else plan.zero.T[groups].float().contiguous()
+        self.current: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def refresh(self, g: int) -> None:
+        zero = None if self.plan.zero is None else self.plan.zero[:, g].float().contiguous()
+        self.current = (self.plan.scale[:, g].contiguous(), zero)
+
+    def __call__(self, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.static:
+            assert self.scale_t is not None
+            return self.scale_t[j], None if self.zero_t is None else self.zero_t[j]
+        assert self.current is not None
+        return self.current
+
+
+def _gptq_loop(
+    W: torch.Tensor,
+    U: torch.Tensor,
+    diag: torch.Tensor,
+    plan: _GroupPlan,
+    scheme: QuantScheme,
+    block_size: int,
+    scale_dtype: torch.dtype,
+) -> tuple[torch.Tensor, float]:
+    """Quantize ``W`` (processing order) column by column; returns int8 q and the loss.
+
+    Works on the transpose, so that every per-column operation reads and writes one contiguous row; the
+    arithmetic is :func:`quantize` / :func:`dequantize`'s, on float32 integers (exact) instead of int8.
+    """
+    n, k = W.shape
+    WT = W.T.contiguous()
+    qT = torch.empty(k, n, device=W.device)
+    params = _ColumnParams(plan)
+    loss = torch.zeros((), dtype=torch.float64, device=W.device)
+    for i1 in range(0, k, block_size):
+        i2 = min(i1 + block_size, k)
+        W1T = WT[i1:i2].clone()
+        Err1T = torch.zeros_like(W1T)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            end = plan.dynamic_end.get(j)
+            if end is not None:
+                g = plan.col_group[j]
+                cols = _current_columns_t(WT, W1T, Err1T, U, i1, i, end)
+                plan.set_params(g, *compute_qparams(cols, scheme, scale_dtype=scale_dtype, col_weight=diag[j:end]))
+                params.refresh(g)
+            scale, zero = params(j)
+            w, q, err = W1T[i], qT[j], Err1T[i]
+            torch.div(w, scale, out=q).round_()
+            if zero is None:
+                q.clamp_(scheme.qmin, scheme.qmax)
+                torch.mul(q, scale, out=err)
+            else:
+                q.add_(zero).clamp_(scheme.qmin, scheme.qmax)
+                torch.sub(q, zero, out=err).mul_(scale)
+            torch.sub(w, err, out=err).div_(U1[i, i])
+            W1T[i:].addr_(U1[i, i:], err, alpha=-1.0)
+        loss += Err1T.double().square().sum()
+        WT[i2:].addmm_(U[i1:i2, i2:].T, Err1T, alpha=-1.0)
+    return qT.T.to(torch.int8), float(loss)
+
+
+def _rtn_fallback(
+    W: torch.Tensor, H: torch.Tensor, scheme: QuantScheme, scale_dtype: torch.dtype, damp: float, name: str
+) -> GPTQResult:
+    warnings.warn(
+        f"GPTQ: the Hessian of layer '{name}' could not be factored even with damp={damp:g}; "
+        "using round-to-nearest for this layer",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    weight = quantize_rtn(W, scheme, scale_dtype=scale_dtype)
+    loss = hessian_weighted_error(W, weight.dequantize(), H) if bool(torch.isfinite(H).all()) else float("nan")
+    return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=True)
+
+
+def gptq_solve(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    scheme: QuantScheme,
+    config: GPTQConfig | None = None,
+    *,
+    scale_dtype: torch.dtype = torch.bfloat16,
+    name: str = "",
+) -> GPTQResult:
+    """Quantize ``W`` [N, K] with GPTQ under Hessian ``H`` [K, K] (``2 X^T X / n``); inputs are not modified.
+
+    Scales are rounded to ``scale_dtype`` before use, so the returned weight dequantizes exactly to what the
+    solver compensated for. ``name`` only labels the warning when the layer falls back to round-to-nearest.
+    """
+    config = config or GPTQConfig()
+    W_in, H_in = W, H
+    W, H = _validated(W, H)
+    _fix_dead_columns(W, H)
+    diag = H.diagonal().clone()
+    k = W.shape[1]
+    perm = torch.argsort(diag, descending=True, stable=True) if scheme.act_order else torch.arange(k, device=W.device)
+    if scheme.act_order:
+        H = H[perm][:, perm]
+    U, damp = _factor_with_retries(H, config)
+    del H  # only U is needed from here on
+    if U is None:
+        return _rtn_fallback(W_in.detach().float(), H_in.detach().float(), scheme, scale_dtype, damp, name)
+    plan = _plan_groups(W, diag, perm, scheme, scale_dtype)
+    W_sorted = W[:, perm].contiguous() if scheme.act_order else W
+    qint, loss = _gptq_loop(W_sorted, U, diag[perm], plan, scheme, config.block_size, scale_dtype)
+    qweight = qint[:, torch.argsort(perm)].contiguous() if scheme.act_order else qint
+    weight = QuantizedWeight(qweight=qweight, scale=plan.scale, zero=plan.zero, g_idx=plan.g_idx, scheme=scheme)
+    return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=False)

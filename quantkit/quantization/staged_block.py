@@ -1,0 +1,241 @@
+"""A Llama-family decoder layer run stage by stage over all calibration samples (true sequential).
+
+Stages follow ``ArchSpec.stages``, by name: the inputs of q/k/v (``qkv``), then of o_proj (``o``), then of
+gate/up (``gate_up``), then of down_proj (``down``). Each stage's inputs are computed with every earlier stage
+already quantized, and the expensive parts are computed once: the attention context (o_proj's input) and the
+post-attention residual stream are kept between stages, so attention runs once per block instead of once per
+stage.
+
+Memory: the block works in place in the input buffer. Once o_proj's stage is done, the input ``h`` is no
+longer needed, so the residual stream ``h2`` overwrites it, and the output then overwrites ``h2``; with the
+attention context (freed after the gate/up stage), at most two activation buffers exist at once.
+
+With a ``spill`` file (:class:`quantkit.quantization.spill.SpillFile`), both go to disk instead, each written
+once and read back once: the attention context, from the o_proj stage to the gate/up stage (so one activation
+buffer stays in memory: 75 MB less at the peak on SmolLM2), and down_proj's inputs (the widest activations, 4x
+hidden size in float32), which the output pass then need not recompute: it costs one down_proj product per batch
+instead of the whole MLP (gate/up are two thirds of its work). The file lives in the page cache, not in the
+process's resident set, and is overwritten from stage to stage and block to block; the output is bit-identical
+either way.
+
+Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
+``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in
+down_proj.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterator
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec
+from quantkit.model.blocks import BlockRunner, get_module, set_module
+from quantkit.quantization.spill import SpillFile
+
+
+class StagedBlock:
+    def __init__(
+        self,
+        block: nn.Module,
+        arch: ArchSpec,
+        runner: BlockRunner,
+        hidden: torch.Tensor,
+        spill: SpillFile | None = None,
+    ) -> None:
+        self.block = block
+        self.arch = arch
+        self.runner = runner
+        self.hidden = hidden  # [n, T, H] block input, storage dtype; overwritten by h2, then by the output
+        self.norm1 = get_module(block, arch.norms[0])
+        self.norm2 = get_module(block, arch.norms[1])
+        self.attn = get_module(block, arch.attn_path)
+        self.mlp = get_module(block, arch.mlp_path)
+        self.o_proj = get_module(block, arch.stage(O_PROJ).head)
+        self._context: torch.Tensor | None = None  # o_proj inputs, when there is no spill file
+        self._context_ready = False  # o_proj's stage has run over every batch
+        self._context_reader: Generator[torch.Tensor] | None = None  # o_proj inputs read back from the spill file
+        self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
+        self.spill = spill  # holds the attention context, then down_proj's inputs (None: kept in memory / recomputed)
+        self._spilled_batches = 0
+        self._gate_up = _silu_gate_up(self.mlp, arch)  # None: run the MLP module itself to find down's inputs
+        self._mlp_scratch: torch.Tensor | None = None  # [2, rows, intermediate]: gate and up products, reused
+
+    def _batches(self) -> Iterator[slice]:
+        n, size = self.hidden.shape[0], self.runner.batch_size
+        for start in range(0, n, size):
+            yield slice(start, min(start + size, n))
+
+    def stage_inputs(self, stage: str) -> Iterator[torch.Tensor]:
+        """Float32 inputs [b, T, K] of the linears of ``stage`` (a stage name), mini-batch by mini-batch.
+
+        A yielded tensor may be overwritten by the next one (down_proj's inputs live in a reused buffer): use it,
+        or clone it, before asking for the next.
+        """
+        producers: dict[str, Callable[[slice], torch.Tensor]] = {
+            QKV: self._qkv_input,
+            O_PROJ: self._o_input,
+            GATE_UP: self._gate_up_input,
+            DOWN: self._down_input,
+        }
+        producer = producers[stage]
+        with torch.inference_mode():
+            for rows in self._batches():
+                yield producer(rows)
+        self._mlp_scratch = None
+
+    def output(self) -> torch.Tensor:
+        """The block output for every sample, with all stages as they are now (storage dtype).
+
+        Written over the residual stream, in the buffer that held the block's input; call it once, last.
+        """
+        assert self._residual is not None, "run the stages in order before asking for the output"
+        out, self._residual = self._residual, None
+        if self._spill_complete():
+            return self._output_from_spill(out)
+        with torch.inference_mode():
+            for rows in self._batches():
+                h2 = out[rows].float()
+                out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
+        return out
+
+    def _spill_complete(self) -> bool:
+        return self.spill is not None and self._spilled_batches == len(list(self._batches()))
+
+    def _output_from_spill(self, out: torch.Tensor) -> torch.Tensor:
+        """``h2 + down_proj(a)`` with the down_proj inputs ``a`` read back from the spill file."""
+        assert self.spill is not None
+        down = get_module(self.block, self.arch.stage(DOWN).head)
+        self._spilled_batches = 0
+        with torch.inference_mode():
+            for rows, a in zip(self._batches(), self.spill.read_back(), strict=True):
+                out[rows] = (out[rows].float() + down(a)).to(out.dtype)
+        return out
+
+    def _qkv_input(self, rows: slice) -> torch.Tensor:
+        return self.norm1(self.hidden[rows].float())
+
+    def _o_input(self, rows: slice) -> torch.Tensor:
+        o_path = self.arch.stage(O_PROJ).head
+        captured = self._capture_input(o_path, lambda: self._attention(self._qkv_input(rows)))
+        stored = captured.to(self.hidden.dtype)
+        if self.spill is not None:  # kept on disk until the gate/up stage reads it back, batch by batch
+            if rows.start == 0:
+                self.spill.rewind()
+            self.spill.write(stored)
+        else:
+            if self._context is None:
+                n, t, _ = self.hidden.shape
+                self._context = torch.empty(n, t, self.o_proj.in_features, dtype=self.hidden.dtype)
+            self._context[rows] = stored
+        self._context_ready = rows.stop == self.hidden.shape[0]
+        return captured
+
+    def _gate_up_input(self, rows: slice) -> torch.Tensor:
+        assert self._context_ready, "the o stage must run before the gate_up stage"
+        self._residual = self.hidden
+        h2 = self.hidden[rows].float() + self.o_proj(self._context_batch(rows).float())
+        self._residual[rows] = h2.to(self._residual.dtype)
+        if rows.stop == self.hidden.shape[0]:
+            self._context = None  # o_proj's inputs are not needed once h2 is complete
+            self._context_ready = False
+            if self._context_reader is not None:
+                self._context_reader.close()  # rewinds the spill file for down_proj's inputs
+                self._context_reader = None
+        return self.norm2(h2)
+
+    def _context_batch(self, rows: slice) -> torch.Tensor:
+        """o_proj's inputs for ``rows`` (storage dtype), from memory or read back from the spill file."""
+        if self._context is not None:
+            return self._context[rows]
+        assert self.spill is not None
+        if rows.start == 0:
+            self._context_reader = self.spill.read_back()
+        assert self._context_reader is not None
+        return next(self._context_reader)
+
+    def _down_input(self, rows: slice) -> torch.Tensor:
+        assert self._residual is not None, "the gate_up stage must run before the down stage"
+        x = self.norm2(self._residual[rows].float())
+        if self._gate_up is not None:
+            a = self._gated_activation(x, *self._gate_up)
+        else:
+            a = self._capture_input(self.arch.stage(DOWN).head, lambda: self.mlp(x))
+        if self.spill is not None:
+            if rows.start == 0:
+                self.spill.rewind()
+                self._spilled_batches = 0
+            self.spill.write(a)
+            self._spilled_batches += 1
+        return a
+
+    def _gated_activation(self, x: torch.Tensor, gate: nn.Linear, up: nn.Linear) -> torch.Tensor:
+        """``silu(gate(x)) * up(x)``, as the MLP module computes it, into a buffer reused from batch to batch.
+
+        Fresh [rows, intermediate] products for every mini-batch cost page faults and heap fragmentation
+        (the largest temporaries of the block); the same two buffers serve every batch instead.
+        """
+        b, t, k = x.shape
+        rows = b * t
+        if self._mlp_scratch is None or self._mlp_scratch.shape[1] < rows:
+            self._mlp_scratch = torch.empty(2, rows, gate.out_features)
+        g, u = self._mlp_scratch[0, :rows], self._mlp_scratch[1, :rows]
+        flat = x.reshape(rows, k)
+        _linear_into(g, flat, gate)
+        functional.silu(g, inplace=True)
+        _linear_into(u, flat, up)
+        return g.mul_(u).view(b, t, -1)
+
+    def _capture_input(self, path: str, run: Callable[[], object]) -> torch.Tensor:
+        """Run ``run()`` with the linear at ``path`` swapped for an :class:`_InputRecorder`; its input.
+
+        The linear's own product is never computed: its output is not needed while its inputs are collected.
+        """
+        linear = get_module(self.block, path)
+        recorder = _InputRecorder()
+        set_module(self.block, path, recorder)
+        try:
+            run()
+        finally:
+            set_module(self.block, path, linear)
+        assert len(recorder.seen) == 1, f"expected one call of {path}, saw {len(recorder.seen)}"
+        return recorder.seen[0]
+
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.runner.position_embeddings
+        t = x.shape[1]
+        out = self.attn(hidden_states=x, attention_mask=None, position_embeddings=(cos[:, :t], sin[:, :t]))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _silu_gate_up(mlp: nn.Module, arch: ArchSpec) -> tuple[nn.Linear, nn.Linear] | None:
+    """The MLP's gate and up linears when it computes ``down(silu(gate(x)) * up(x))`` (Llama, Mistral, Qwen)."""
+    gate_path, up_path = (path.removeprefix(arch.mlp_path + ".") for path in arch.stage(GATE_UP).linears)
+    gate, up = getattr(mlp, gate_path, None), getattr(mlp, up_path, None)
+    act = getattr(mlp, "act_fn", None)
+    silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    if silu and type(gate) is nn.Linear and type(up) is nn.Linear:
+        return gate, up
+    return None
+
+
+def _linear_into(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> None:
+    """``out = linear(x)`` for 2-D ``x``, written into ``out`` (the same product ``nn.Linear`` computes)."""
+    if linear.bias is None:
+        torch.mm(x, linear.weight.T, out=out)
+    else:
+        torch.addmm(linear.bias, x, linear.weight.T, out=out)
+
+
+class _InputRecorder(nn.Module):
+    """Stands in for a linear whose output is discarded: records the input and returns it unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x)
+        return x

@@ -1,0 +1,144 @@
+"""The package's layering, checked over every import (module-level and lazy, inside functions), so that a wrong
+arrow fails CI: ``format/`` knows no algorithm and stands under both the quantizer and the runtime; ``runtime/``
+and ``server/`` load no solver; ``data/`` and ``eval/`` load no solver; ``quantization/`` never reads plan files."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
+FOUNDATION = {"quantkit", "errors", "progress", "atomic"}  # the root (for __version__) and what imports nothing
+
+# area -> the areas it may import, besides itself and the foundation
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "progress": set(),
+    "atomic": set(),
+    "schemas": set(),
+    "format": set(),
+    "model": {"format"},
+    "data": {"model"},
+    "eval": {"data", "model", "format"},
+    "quantization.solvers": {"format"},  # pure functions: weights (+ statistics) in, integers out
+    "quantization": {"quantization.solvers", "data", "model", "format"},
+    "mixed": {"quantization", "quantization.solvers", "data", "model", "format", "eval", "schemas"},
+    "recipes": {
+        "mixed",
+        "quantization",
+        "quantization.solvers",
+        "data",
+        "model",
+        "format",
+        "eval",
+        "schemas",
+        "server",
+    },
+    "runtime": {"format", "model"},
+    "server": {"runtime", "format", "model"},
+}
+ANYTHING = {"cli", "__init__", "__main__"}  # the faces of the package: the CLI and the lazy Python API
+_MODULE_STRING = re.compile(r"^quantkit(\.[A-Za-z_]\w*)+$")
+
+
+def area(module: str) -> str:
+    """``quantkit.quantization.solvers.gptq`` -> ``quantization.solvers``; ``quantkit.errors`` -> ``errors``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "quantkit"
+    if parts[:2] == ["quantization", "solvers"]:
+        return "quantization.solvers"
+    return parts[0]
+
+
+def module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 2:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def imported_modules(path: Path, name: str) -> list[tuple[int, str]]:
+    """(line, module) of every quantkit import in ``path``, wherever it is, plus module paths in strings (lazy
+    import tables such as ``{"LLM": "quantkit.runtime.llm"}``)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names if base == "quantkit"]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and _MODULE_STRING.match(node.value):
+            found.append((node.lineno, node.value))
+    return [(line, module) for line, module in found if module == "quantkit" or module.startswith("quantkit.")]
+
+
+def violations(root: Path) -> list[str]:
+    """One line per import that crosses the layering the wrong way."""
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        own = area(name)
+        if own in ANYTHING or (path.stem in ANYTHING and name.count(".") == 1):
+            continue
+        allowed = ALLOWED.get(own)
+        if allowed is None:
+            problems.append(f"{path.relative_to(root.parent)}: area '{own}' has no import rule; add it to ALLOWED")
+            continue
+        for line, module in imported_modules(path, name):
+            target = area(module)
+            if module == "quantkit" or target in FOUNDATION or target == own or target in allowed:
+                continue
+            if target not in ALLOWED and target not in ANYTHING:  # a submodule of the root, e.g. quantkit.__version__
+                continue
+            problems.append(f"{path.relative_to(root.parent)}:{line}: {own} must not import {module} ({target})")
+    return problems
+
+
+def test_the_package_follows_its_layering() -> None:
+    assert violations(PACKAGE) == []
+
+
+def test_every_folder_of_the_package_has_a_rule() -> None:
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert folders - set(ALLOWED) - ANYTHING == set()
+
+
+@pytest.mark.parametrize(
+    ("where", "line", "wrong"),
+    [
+        ("runtime/engine.py", "from quantkit.quantization.solvers.gptq import gptq_solve", "runtime must not import"),
+        ("server/app.py", "import quantkit.mixed.planner", "server must not import"),
+        ("quantization/pipeline.py", "from quantkit.mixed.plan_file import load_plan", "quantization must not import"),
+        ("format/pack.py", "from quantkit.quantization.solvers.grid import quantize_rtn", "format must not import"),
+        ("eval/evaluate.py", "from quantkit.quantization import pipeline", "eval must not import"),
+        ("data/sources.py", "from quantkit.quantization.solvers import gptq", "data must not import"),
+        (
+            "quantization/solvers/gptq.py",
+            "from quantkit.model.blocks import get_module",
+            "quantization.solvers must not",
+        ),
+    ],
+)
+def test_a_planted_wrong_import_fails(tmp_path: Path, where: str, line: str, wrong: str) -> None:
+    """A wrong arrow, module level or lazy inside a function, is caught with its file and line."""
+    root = tmp_path / "quantkit"
+    for path in PACKAGE.rglob("*.py"):
+        target = root / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    planted = root / where
+    planted.write_text(planted.read_text() + f"\n\ndef _planted() -> None:\n    {line}\n")
+    found = violations(root)
+    assert len(found) == 1 and wrong in found[0] and found[0].startswith(f"quantkit/{where}:")

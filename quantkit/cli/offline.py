@@ -198,7 +198,7 @@ def quantize(
         from quantkit.mixed.plan_apply import planned_schemes
 
         config.planned = planned_schemes(plan, model)
-    if method == "rtn" and calib is not None:
+    if not config.needs_calibration and calib is not None:
         err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
     result = quantize_model(model, config, output)
     table = Table(title=f"Quantized {model} -> {output}")

@@ -15,6 +15,7 @@ from quantkit.quantization.methods import (
     check_solvers,
     expand_method,
     method_name,
+    needs_calibration,
     resolve_scheme,
     with_solver_options,
 )
@@ -76,8 +77,7 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        """Round-to-nearest alone needs no activations: no calibration, no forward passes."""
-        return self.method != "rtn"
+        return needs_calibration(self.solvers)
 
     def resolved_scheme(self) -> QuantScheme:
         return self.scheme if self.scheme is not None else resolve_scheme(self.method)

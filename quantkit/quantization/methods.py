@@ -63,6 +63,11 @@ def check_solvers(solvers: Sequence[SolverConfig]) -> None:
         raise QuantkitError(f"cannot quantize with [{shown}]; use one of: {spellings}")
 
 
+def needs_calibration(solvers: Sequence[SolverConfig]) -> bool:
+    """Round-to-nearest alone needs no activations: no calibration, no forward passes."""
+    return any(not isinstance(s, RTNConfig) for s in solvers)
+
+
 @dataclass(frozen=True)
 class MethodDefaults:
     """What a method uses unless told otherwise.

@@ -3,7 +3,7 @@ rewrites the float block before that (see :mod:`quantkit.quantization.methods` f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,9 +11,8 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.model.architectures import ArchSpec
-from quantkit.model.blocks import BlockRunner
 from quantkit.quantization.awq_block import apply_awq_to_block
+from quantkit.quantization.block_pass import BlockPass, BlockSchemes
 from quantkit.quantization.methods import SolverConfig
 from quantkit.quantization.records import AWQClipRecord, AWQScaleRecord, LayerRecord, RunRecord
 from quantkit.quantization.solvers.awq import AWQConfig
@@ -91,24 +90,19 @@ def weight_solver(config: SolverConfig) -> WeightSolver:
 
 @dataclass(frozen=True, slots=True)
 class BlockTransform:
-    """Rewrites the float block in place on its calibration input, before its weights are quantized."""
+    """``apply(config, block, prefix, hidden, schemes, run)``: rewrites the float block in place on its
+    calibration input ``hidden``, before its weights are quantized; returns what it decided, as records."""
 
     apply: Callable[..., list[RunRecord]]
 
 
 def _apply_awq(
-    config: AWQConfig,
-    block: nn.Module,
-    prefix: str,
-    arch: ArchSpec,
-    hidden: torch.Tensor,
-    runner: BlockRunner,
-    schemes: Mapping[str, QuantScheme | None],
-    storage: torch.dtype,
+    config: AWQConfig, block: nn.Module, prefix: str, hidden: torch.Tensor, schemes: BlockSchemes, run: BlockPass
 ) -> list[RunRecord]:
     """AWQ's scales and clipping; its choices logged beside the solver records."""
     quantized = {name: s for name, s in schemes.items() if s is not None}
-    report = apply_awq_to_block(block, arch, hidden, runner, quantized, config, scale_dtype=storage)
+    assert run.runner is not None, "AWQ runs the block on its calibration input"
+    report = apply_awq_to_block(block, run.arch, hidden, run.runner, quantized, config, scale_dtype=run.storage)
     records: list[RunRecord] = [
         AWQScaleRecord(f"{prefix}.{g.prev}", g.ratio, g.rtn_error, g.awq_error) for g in report.groups
     ]

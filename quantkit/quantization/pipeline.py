@@ -19,12 +19,13 @@ from quantkit.errors import QuantkitError
 from quantkit.model.blocks import BlockRunner
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
+from quantkit.quantization.block_pass import BlockPass
 from quantkit.quantization.checkpoint_output import block_tensors, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
 from quantkit.quantization.methods import SolverConfig
-from quantkit.quantization.quantize_block import BlockPass, quantize_block
+from quantkit.quantization.quantize_block import quantize_block
 from quantkit.quantization.records import LayerRecord
 from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.workdir import WorkDir, partial_dir

@@ -3,35 +3,19 @@ inputs computed with every earlier stage already quantized, then the block's out
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.model.architectures import ArchSpec
-from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.model.blocks import get_module
 from quantkit.quantization.block_loop import stage_hessians
+from quantkit.quantization.block_pass import BlockPass, BlockSchemes
 from quantkit.quantization.dispatch import split_solvers, weight_solver
 from quantkit.quantization.memory import release_freed_memory
-from quantkit.quantization.methods import SolverConfig
 from quantkit.quantization.records import RunRecord
-from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.staged_block import StagedBlock
-
-BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
-
-
-@dataclass(slots=True)
-class BlockPass:
-    """What quantizing a block needs besides the block and its input; the same for every block of a run."""
-
-    arch: ArchSpec
-    solvers: Sequence[SolverConfig]
-    storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
-    runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
-    spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)
 
 
 @dataclass(slots=True)
@@ -60,7 +44,7 @@ def quantize_block(
     solver = weight_solver(last)
     out = QuantizedBlock({}, None)
     for config, transform in transforms:
-        out.records += transform.apply(config, block, prefix, run.arch, hidden, run.runner, schemes, run.storage)
+        out.records += transform.apply(config, block, prefix, hidden, schemes, run)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
     for stage, hessian in stage_hessians(staged, with_hessian=solver.needs_hessian):
         for names, scheme in _same_scheme_runs(stage.linears, schemes):

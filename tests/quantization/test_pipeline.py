@@ -13,10 +13,11 @@ from quantkit.format.tensors import read_linear
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.model.blocks import BlockRunner, embed
 from quantkit.quantization import block_loop, pipeline
+from quantkit.quantization.block_pass import BlockPass
 from quantkit.quantization.checkpoint_output import block_tensors
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.quantization.quantize_block import BlockPass, quantize_block
+from quantkit.quantization.quantize_block import quantize_block
 from quantkit.quantization.solvers.gptq import GPTQConfig
 
 SCHEME = QuantScheme(bits=4, group_size=32)

@@ -1,0 +1,27 @@
+"""What quantizing one block needs besides the block and its input: the same for every block of a run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from quantkit.format.scheme import QuantScheme
+from quantkit.model.architectures import ArchSpec
+from quantkit.model.blocks import BlockRunner
+from quantkit.quantization.methods import SolverConfig
+from quantkit.quantization.spill import SpillFile
+
+BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
+
+
+@dataclass(slots=True)
+class BlockPass:
+    """What quantizing a block needs besides the block and its input; the same for every block of a run."""
+
+    arch: ArchSpec
+    solvers: Sequence[SolverConfig]
+    storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
+    runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
+    spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,3 +32,56 @@ def write_text(path: Path, text: str) -> None:
 def write_json(path: Path, data: Any, *, indent: int = 2) -> None:
     """``data`` as indented JSON with a final newline."""
     write_text(path, json.dumps(data, indent=indent) + "\n")
+
+
+def fsync_tree(path: Path) -> None:
+    """Flush a file, or every file under a directory and the directories themselves, to disk."""
+    path = Path(path)
+    if path.is_file():
+        with open(path, "rb") as handle:
+            os.fsync(handle.fileno())
+        return
+    inside = sorted(path.rglob("*"))
+    for file in (p for p in inside if p.is_file()):
+        with open(file, "rb") as handle:
+            os.fsync(handle.fileno())
+    for directory in [path, *(p for p in inside if p.is_dir())]:
+        _fsync_dir(directory)
+
+
+def publish(tmp: Path, final: Path, *, overwrite: bool) -> None:
+    """Move a finished temporary file or directory to ``final``: flushed first, then renamed; an existing ``final``
+    (only with ``overwrite``) is swapped out and deleted only once the new one is in place."""
+    tmp, final = Path(tmp), Path(final)
+    fsync_tree(tmp)
+    if final.exists() and not overwrite:
+        raise FileExistsError(final)
+    if not final.exists():
+        tmp.rename(final)
+    else:
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        remove_path(old)
+        final.rename(old)
+        try:
+            tmp.rename(final)
+        except OSError:
+            old.rename(final)
+            raise
+        remove_path(old)
+    _fsync_dir(final.parent)
+
+
+def remove_path(path: Path) -> None:
+    """Delete a file or a directory tree, if it exists."""
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

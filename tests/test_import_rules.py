@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "quantization": {"quantization.solvers", "data", "model", "format"},
     "mixed": {"quantization", "quantization.solvers", "data", "model", "format", "eval", "schemas"},
     "recipes": {
+        "export",
         "mixed",
         "quantization",
         "quantization.solvers",
@@ -37,6 +38,7 @@ ALLOWED: dict[str, set[str]] = {
         "schemas",
         "server",
     },
+    "export": {"format", "model"},  # converts stored integer codes: no solver, no requantizing
     "runtime": {"format", "model"},
     "server": {"runtime", "format", "model"},
 }

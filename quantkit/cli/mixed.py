@@ -55,15 +55,22 @@ def sensitivity(
     measurement = measure_sensitivity(model, config, output)
     table = Table(title=f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}")
     table.add_column("candidate")
+    table.add_column("units", justify="right")
     table.add_column("bits/weight", justify="right")
     table.add_column("total error", justify="right")
     table.add_column("worst unit", justify="left")
-    params = measurement.total_params
-    for name in measurement.candidates:
-        costs = [(u.options[name], u.name) for u in measurement.units]
-        worst = max(costs, key=lambda c: c[0].error)
+    for name in measurement.candidates:  # a candidate no engine loads for a unit is not measured there
+        units = [u for u in measurement.units if name in u.options]
+        if not units:
+            table.add_row(name, "0", "-", "-", "no unit can hold it")
+            continue
+        worst = max(units, key=lambda u: u.options[name].error)
         table.add_row(
-            name, f"{sum(c.bits for c, _ in costs) / params:.3f}", f"{sum(c.error for c, _ in costs):.4g}", worst[1]
+            name,
+            f"{len(units)}/{len(measurement.units)}",
+            f"{sum(u.options[name].bits for u in units) / sum(u.params for u in units):.3f}",
+            f"{sum(u.options[name].error for u in units):.4g}",
+            worst.name,
         )
     out.print(table)
 

@@ -12,6 +12,8 @@ from rich.table import Table
 from quantkit.cli.app import JsonOption, ModelOption, app, err, out, write_json_option
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
+from quantkit.export.run import COMPRESSED_TENSORS
+from quantkit.format.engines import LAYOUT_POLICY_HELP
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
 from quantkit.quantization.methods import METHODS
@@ -167,6 +169,11 @@ def quantize(
         list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
     ] = None,
     plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
+    layout_policy: Annotated[str, typer.Option(help=LAYOUT_POLICY_HELP)] = QuantizeConfig.layout_policy,
+    formats: Annotated[
+        list[str] | None,
+        typer.Option("--format", help="Also export: gptq (<out>-gptq/) or gguf (<out>.gguf); repeatable."),
+    ] = None,
     resume: Annotated[bool, typer.Option(help="Continue an interrupted run after its last finished block.")] = False,
     force: Annotated[
         bool, typer.Option(help="Replace an existing output directory (once the new one is done).")
@@ -189,6 +196,7 @@ def quantize(
         calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
         calibration_file=calib,
         ignore=list(ignore or []),
+        layout_policy=layout_policy,
         resume=resume,
         force=force,
         batch_size=batch_size,
@@ -198,6 +206,13 @@ def quantize(
         from quantkit.mixed.plan_apply import planned_schemes
 
         config.planned = planned_schemes(plan, model)
+    exports = [f for f in dict.fromkeys(formats or []) if f != COMPRESSED_TENSORS]
+    config.export_formats = exports
+    if exports:
+        from quantkit.export.run import check_exports_of_model
+        from quantkit.model.resolve import resolve_model
+
+        check_exports_of_model(resolve_model(model), exports)
     if not config.needs_calibration and calib is not None:
         err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
     result = quantize_model(model, config, output)
@@ -215,7 +230,20 @@ def quantize(
         f"{result.checkpoint_bytes / 1e6:.1f}",
     )
     out.print(table)
-    write_json_option(json_out, asdict(result) | {"output": str(result.output)})
+    summaries = _export_all(output, exports)
+    exported = {"exports": [asdict(s) for s in summaries]} if summaries else {}
+    write_json_option(json_out, asdict(result) | {"output": str(result.output)} | exported)
+
+
+def _export_all(checkpoint: Path, formats: list[str]) -> list:
+    from quantkit.cli.export import print_export
+    from quantkit.export.run import default_export_path, export_checkpoint
+
+    summaries = []
+    for fmt in formats:
+        summaries.append(export_checkpoint(checkpoint, fmt, default_export_path(checkpoint, fmt), force=True))
+        print_export(summaries[-1])
+    return summaries
 
 
 @app.command()

@@ -14,6 +14,8 @@ from quantkit.errors import QuantkitError
 from quantkit.format.tensors import SCALE
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
 
+RUN_LOG = "quantkit_log.json"  # what `quantkit quantize` records beside the checkpoint (method, data, layers)
+
 
 def read_checkpoint_config(path: Path) -> dict:
     """The parsed config.json of a checkpoint directory."""

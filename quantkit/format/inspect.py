@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,12 +11,13 @@ from typing import TYPE_CHECKING, Any
 from safetensors import safe_open
 
 from quantkit.errors import QuantkitError
-from quantkit.format.files import read_checkpoint_config, shard_files
+from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
+from quantkit.format.loads_in import EngineVerdict, LayerShape, loads_in
 from quantkit.format.quantization_config import parse_quantization_config
 from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO
 
 if TYPE_CHECKING:
-    from rich.table import Table
+    from rich.console import Group
 
 _BITS = {"BOOL": 1, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "F16": 16, "BF16": 16}
 _BITS |= {"I32": 32, "F32": 32, "U32": 32, "I64": 64, "F64": 64, "U64": 64}
@@ -29,6 +31,7 @@ class LayerReport:
     out_features: int
     in_features: int
     bits_per_weight: float  # (weight + scale + zero-point + g_idx bits) / (N * K)
+    fallback: str = ""  # "g128 -> g64" when --layout-policy fallback changed this layer's group size
 
 
 @dataclass(slots=True)
@@ -41,6 +44,7 @@ class CheckpointReport:
     checkpoint_bytes: int = 0  # safetensors files on disk
     dense_bf16_bytes: int = 0
     dense_from_reference: bool = False  # dense size measured from a reference checkpoint
+    loads_in: list[EngineVerdict] = field(default_factory=list)
 
     @property
     def compression_ratio(self) -> float:
@@ -102,6 +106,8 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
 
     prefixes = sorted(key.removesuffix("." + PACKED) for key in infos if key.endswith("." + PACKED))
     consumed: set[str] = set()
+    shapes: list[LayerShape] = []
+    fallbacks = _layout_fallbacks(path)
     quant_bits = 0
     for prefix in prefixes:
         scheme = layout.scheme_for(prefix)
@@ -111,10 +117,12 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
         parts = [f"{prefix}.{p}" for p in (*_QUANT_PARTS, SHAPE) if f"{prefix}.{p}" in infos]
         bits = sum(infos[p].total_bits for p in parts if not p.endswith(SHAPE))
         consumed.update(parts)
-        report.layers.append(LayerReport(prefix, scheme.name, n, k, bits / (n * k)))
+        report.layers.append(LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, "")))
+        shapes.append(LayerShape(prefix, scheme, n, k))
         report.quantized_params += n * k
         quant_bits += bits
 
+    report.loads_in = loads_in(shapes)
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
     report.total_params = report.quantized_params + other
     report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0
@@ -124,6 +132,15 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     else:
         report.dense_bf16_bytes = 2 * report.total_params
     return report
+
+
+def _layout_fallbacks(path: Path) -> dict[str, str]:
+    """Layers whose group size ``--layout-policy fallback`` changed, as quantize recorded them."""
+    log = path / RUN_LOG
+    try:
+        return dict(json.loads(log.read_text()).get("layout_fallbacks") or {}) if log.is_file() else {}
+    except (json.JSONDecodeError, AttributeError, TypeError):
+        return {}
 
 
 def _human(nbytes: int) -> str:
@@ -137,21 +154,34 @@ def _human(nbytes: int) -> str:
     return f"{size:.1f} GiB"
 
 
-def render_report(report: CheckpointReport) -> Table:
-    """A rich table: one row per quantized layer, totals in the caption."""
+def render_report(report: CheckpointReport) -> Group:
+    """Rich tables: one row per quantized layer (totals in the caption), then where the checkpoint loads."""
+    from rich.console import Group
     from rich.table import Table
 
     table = Table(title=f"Quantized checkpoint {report.path}")
-    for col, justify in (("layer", "left"), ("scheme", "left"), ("N", "right"), ("K", "right"), ("bits/w", "right")):
-        table.add_column(col, justify=justify)
+    columns = ["layer", "scheme", "N", "K", "bits/w"] + (["layout"] if any(x.fallback for x in report.layers) else [])
+    for col in columns:
+        table.add_column(col, justify="left" if col in ("layer", "scheme", "layout") else "right")
     for layer in report.layers:
-        table.add_row(
-            layer.name, layer.scheme, str(layer.out_features), str(layer.in_features), f"{layer.bits_per_weight:.3f}"
-        )
+        row = [
+            layer.name,
+            layer.scheme,
+            str(layer.out_features),
+            str(layer.in_features),
+            f"{layer.bits_per_weight:.3f}",
+        ]
+        table.add_row(*row, *([f"fallback {layer.fallback}" if layer.fallback else ""] if len(columns) > 5 else []))
     dense_src = "reference" if report.dense_from_reference else "2 B x params"
     table.caption = (
         f"quantized params {report.quantized_params:,} of {report.total_params:,}; "
         f"avg {report.avg_bits_per_weight:.3f} bits/w; size {_human(report.checkpoint_bytes)} "
         f"vs bf16 {_human(report.dense_bf16_bytes)} ({dense_src}), x{report.compression_ratio:.2f}"
     )
-    return table
+    engines = Table(title="Loads in (layers per kernel)")
+    engines.add_column("engine")
+    engines.add_column("all layers", justify="center")
+    engines.add_column("kernels / types")
+    for verdict in report.loads_in:
+        engines.add_row(verdict.engine, "yes" if verdict.loads else "no", verdict.summary)
+    return Group(table, engines)

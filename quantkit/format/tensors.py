@@ -25,6 +25,7 @@ SCALE = "weight_scale"
 ZERO = "weight_zero_point"
 SHAPE = "weight_shape"
 G_IDX = "weight_g_idx"
+QUANTIZED_PARTS = (PACKED, SCALE, ZERO, SHAPE, G_IDX)  # every tensor of one quantized Linear's weight
 
 
 def _key(prefix: str, name: str) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from quantkit.atomic import publish
 from quantkit.errors import QuantkitError
 
 SAFETENSORS_METADATA = {"format": "pt"}
@@ -137,20 +138,7 @@ class ShardedWriter:
 
     def _move_into_place(self) -> None:
         self._check_destination()
-        if not self.final_dir.exists():
-            self.tmp_dir.rename(self.final_dir)
-            return
-        # overwrite: swap the complete new dir in, then delete the old one
-        old = self.final_dir.with_name(f"{self.final_dir.name}.old-{os.getpid()}")
-        if old.exists():
-            shutil.rmtree(old)
-        self.final_dir.rename(old)
-        try:
-            self.tmp_dir.rename(self.final_dir)
-        except OSError:
-            old.rename(self.final_dir)
-            raise
-        shutil.rmtree(old)
+        publish(self.tmp_dir, self.final_dir, overwrite=self.overwrite)
 
     def abort(self) -> None:
         """Discard everything written so far (the final dir is never touched)."""

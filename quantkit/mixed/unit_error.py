@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from quantkit.eval.logit_metrics import token_kl
+from quantkit.format.engines import layout_problem
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import unit_storage_bits
 from quantkit.mixed.measurement import CandidateCost, UnitMeasurement
@@ -57,6 +58,17 @@ def unit_name(prefix: str, linears: tuple[str, ...]) -> str:
     return f"{prefix}.{parent}." + "+".join(name.rpartition(".")[2] for name in linears)
 
 
+def loadable_candidates(
+    schemes: dict[str, QuantScheme | None], in_features: list[int]
+) -> dict[str, QuantScheme | None]:
+    """The candidates whose layout every engine loads for a unit with these in-features (fp16 always)."""
+    return {
+        name: scheme
+        for name, scheme in schemes.items()
+        if scheme is None or all(layout_problem(scheme, k) is None for k in in_features)
+    }
+
+
 @dataclass(slots=True)
 class UnitMeter:
     """Measures units: the candidates (name -> scheme with the run's solver options; None: fp16), how they are
@@ -75,11 +87,12 @@ class UnitMeter:
         modules = [get_module(block, name) for name in stage.linears]
         shapes = [(m.out_features, m.in_features) for m in modules]
         scale_bits = self.storage.itemsize * 8
+        schemes = loadable_candidates(self.schemes, [k for _, k in shapes])
         options = {
             name: CandidateCost(error=0.0, bits=unit_storage_bits(scheme, shapes, scale_bits=scale_bits))
-            for name, scheme in self.schemes.items()
+            for name, scheme in schemes.items()
         }
-        quantized = [name for name, scheme in self.schemes.items() if scheme is not None]
+        quantized = [name for name, scheme in schemes.items() if scheme is not None]
         anchor = min(quantized, key=lambda n: options[n].bits) if self.mode == "hybrid" and quantized else None
         kl_scale = 1.0
         for candidate in quantized:
@@ -87,7 +100,7 @@ class UnitMeter:
                 gptq_solve(
                     m.weight.data,
                     hessian,
-                    self.schemes[candidate],  # type: ignore[arg-type]
+                    schemes[candidate],  # type: ignore[arg-type]
                     self.gptq,
                     scale_dtype=self.storage,
                     name=f"{prefix}.{n}",

@@ -63,6 +63,17 @@ class SourceWeights:
                     out[name] = handle.get_tensor(name).clone()  # own the memory: the mapping closes now
         return out
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, read from its shard's header (no data is read)."""
+        if name not in self._where:
+            raise QuantkitError(f"tensor '{name}' is missing from the checkpoint at {self.path}")
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
+
+    def in_features(self, linears: list[str]) -> dict[str, int]:
+        """Each Linear's in-features (``<name>.weight`` is [out, in])."""
+        return {name: int(self.shape(f"{name}.weight")[1]) for name in linears}
+
     def storage_dtype(self) -> torch.dtype:
         """The dtype of the model's float weights (the checkpoint keeps it for unquantized tensors)."""
         for name in self._where:

@@ -3,9 +3,21 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.format.engines import (
+    EXPORT_SUPPORT,
+    FALLBACK,
+    QUANTKIT_ONLY,
+    fallback_scheme,
+    group_label,
+    layout_problem,
+    widest_dividing_group,
+)
 from quantkit.format.quantization_config import build_quantization_config
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec
@@ -16,6 +28,7 @@ class SchemeAssignment:
     """Full module name -> scheme, or None for a linear kept in float."""
 
     schemes: dict[str, QuantScheme | None]
+    fallbacks: dict[str, str] = field(default_factory=dict)  # linear -> "g128 -> g64" (--layout-policy fallback)
 
     def for_block(self, prefix: str) -> dict[str, QuantScheme | None]:
         """Relative names (e.g. ``self_attn.q_proj``) of one block's linears."""
@@ -60,3 +73,81 @@ def _check_fused(arch: ArchSpec, num_layers: int, schemes: dict[str, QuantScheme
                     f"{', '.join(names)} are fused by inference engines and must share one scheme; "
                     "adjust --ignore or the plan so they are treated alike"
                 )
+
+
+def fit_layouts(assignment: SchemeAssignment, in_features: Mapping[str, int], policy: str) -> SchemeAssignment:
+    """The assignment with every layer's layout checked against what engines load (see ``format.engines``).
+
+    ``strict``: a layout compressed-tensors, transformers or vLLM would refuse is an error naming the layers and
+    the fix; ``fallback``: such a group size becomes the largest valid one for that layer (recorded);
+    ``quantkit-only``: left as is.
+    """
+    if policy == QUANTKIT_ONLY:
+        return assignment
+    problems = {
+        name: problem
+        for name, scheme in assignment.schemes.items()
+        if scheme is not None and (problem := layout_problem(scheme, in_features[name]))
+    }
+    if not problems:
+        return assignment
+    schemes = dict(assignment.schemes)
+    fallbacks = dict(assignment.fallbacks)
+    for name in problems:
+        scheme = schemes[name]
+        assert scheme is not None
+        if policy != FALLBACK or (scheme.act_order and not scheme.static_groups):
+            raise QuantkitError(_refusal(problems, schemes, in_features))
+        schemes[name] = fallback_scheme(scheme, in_features[name])
+        fallbacks[name] = f"{group_label(scheme)} -> {group_label(schemes[name])}"
+    return SchemeAssignment(schemes, fallbacks)
+
+
+def _refusal(
+    problems: Mapping[str, str], schemes: Mapping[str, QuantScheme | None], in_features: Mapping[str, int]
+) -> str:
+    head = f"{len(problems)} layers would get a layout compressed-tensors, transformers and vLLM refuse"
+    head += f" ({_by_reason(problems)})"
+    if any("act-order" in p for p in problems.values()):
+        return f"{head}; use --static-groups (the default), or --layout-policy quantkit-only to write it anyway"
+    widest = widest_dividing_group([in_features[n] for n, s in schemes.items() if s is not None])
+    size = "--group-size -1 (per-channel)" if widest == -1 else f"--group-size {widest}"
+    return (
+        f"{head}; use {size} (the largest that divides every layer), --layout-policy fallback (a smaller group "
+        "on those layers only), or --layout-policy quantkit-only (a short last group only quantkit reads)"
+    )
+
+
+def _by_reason(reasons: Mapping[str, str]) -> str:
+    """``reason: linear, linear; reason: linear`` with block indices dropped (``mlp.down_proj``)."""
+    grouped: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        leaf = re.sub(r"^.*?\.\d+\.", "", name)  # model.layers.3.mlp.down_proj -> mlp.down_proj
+        leaves = grouped.setdefault(reason, [])
+        if leaf not in leaves:
+            leaves.append(leaf)
+    return "; ".join(f"{reason}: {', '.join(leaves)}" for reason, leaves in grouped.items())
+
+
+def check_exports(
+    assignment: SchemeAssignment, in_features: Mapping[str, int], formats: list[str], storage: torch.dtype
+) -> None:
+    """Before any work: every quantized layer can be exported exactly to each of ``formats`` (whose scales are
+    float16: scales are stored in the model's dtype, and a float32 model's scales are not float16 values)."""
+    if formats and storage == torch.float32:
+        raise QuantkitError(
+            f"--format {formats[0]} stores float16 scales, but this model is float32 and its scales would be too; "
+            "quantize a float16 or bfloat16 copy of the model"
+        )
+    for fmt in formats:
+        judge = EXPORT_SUPPORT[fmt]
+        refused = {
+            name: verdict.reason
+            for name, scheme in assignment.schemes.items()
+            if scheme is not None and not (verdict := judge(scheme, in_features[name])).loads
+        }
+        if refused:
+            raise QuantkitError(
+                f"--format {fmt} cannot hold {len(refused)} layers exactly ({_by_reason(refused)}); "
+                f"change the scheme or drop --format {fmt}"
+            )

@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from quantkit.format.files import RUN_LOG
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
@@ -19,7 +20,6 @@ from quantkit.quantization.job import QuantizeJob
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.workdir import WorkDir
 
-LOG_FILE = "quantkit_log.json"
 _NOT_COPIED = {"config.json", "model.safetensors.index.json"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
@@ -52,14 +52,14 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
         for index in range(work.finished):
             with safe_open(str(work.block_file(index)), framework="pt") as f:
                 writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
-        (writer.tmp_dir / LOG_FILE).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
+        (writer.tmp_dir / RUN_LOG).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
         writer.finalize(model_config, _copied_files(job.source), job.assignment.quantization_config())
 
 
 def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
     gptq = job.config.gptq or GPTQConfig()
     calibration = job.calibration
-    return {
+    log = {
         "method": job.config.method,
         "damp": gptq.damp,
         "block_size": gptq.block_size,
@@ -68,6 +68,9 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
         "fingerprints": work.state["fingerprints"],
         "layers": [record.to_dict() for record in work.records],
     }
+    if job.assignment.fallbacks:
+        log["layout_fallbacks"] = job.assignment.fallbacks  # --layout-policy fallback: linear -> "g128 -> g64"
+    return log
 
 
 def _copied_files(source: Path) -> list[Path]:
@@ -84,7 +87,7 @@ def _copied_files(source: Path) -> list[Path]:
 
 def read_run_fingerprints(output: Path) -> dict[str, str] | None:
     """The fingerprints a finished checkpoint recorded, or None when it is not a complete quantkit checkpoint."""
-    log = output / LOG_FILE
+    log = output / RUN_LOG
     if not log.is_file() or not any(output.glob("*.safetensors")):
         return None
     try:

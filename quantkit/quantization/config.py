@@ -9,6 +9,7 @@ from pathlib import Path
 
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.errors import QuantkitError
+from quantkit.format.engines import EXPORT_SUPPORT, LAYOUT_POLICIES, STRICT
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.methods import (
     SolverConfig,
@@ -40,6 +41,8 @@ class QuantizeConfig:
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
     ignore: list[str] = field(default_factory=list)  # regexes (re.search) of linears kept in float
     planned: dict[str, QuantScheme | None] | None = None
+    layout_policy: str = STRICT  # layouts engines would refuse: see quantkit.format.engines.LAYOUT_POLICIES
+    export_formats: list[str] = field(default_factory=list)  # exported afterwards by the caller: checked up front
     resume: bool = False
     force: bool = False
     batch_size: int = 4  # calibration windows per forward pass
@@ -93,6 +96,13 @@ class QuantizeConfig:
         check_solvers(self.solvers)
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be positive, got {self.batch_size}")
+        if self.layout_policy not in LAYOUT_POLICIES:
+            raise QuantkitError(
+                f"unknown layout policy '{self.layout_policy}'; use one of {', '.join(LAYOUT_POLICIES)}"
+            )
+        unknown = [f for f in self.export_formats if f not in EXPORT_SUPPORT]
+        if unknown:
+            raise QuantkitError(f"unknown export format '{unknown[0]}'; use {', '.join(EXPORT_SUPPORT)}")
         if self.max_shard_bytes < 1_000_000:
             raise QuantkitError(f"--max-shard-size must be at least 1 MB, got {self.max_shard_bytes} bytes")
         for pattern in self.ignore:

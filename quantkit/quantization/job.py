@@ -13,7 +13,7 @@ import torch
 from quantkit.data.calibration import CalibrationSet
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.source_weights import SourceWeights, config_json
-from quantkit.quantization.assignment import SchemeAssignment, uniform_assignment
+from quantkit.quantization.assignment import SchemeAssignment, check_exports, fit_layouts, uniform_assignment
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.solvers.gptq import GPTQConfig
 
@@ -38,12 +38,18 @@ class QuantizeJob:
         return run_fingerprints(self.config, self.assignment, self.weights.fingerprint(), self.calibration)
 
 
-def scheme_assignment(config: QuantizeConfig, arch: ArchSpec, num_layers: int) -> SchemeAssignment:
-    """The scheme of every block linear: the plan's (solved with the run's options) or one scheme for all."""
+def scheme_assignment(config: QuantizeConfig, arch: ArchSpec, weights: SourceWeights) -> SchemeAssignment:
+    """The scheme of every block linear: the plan's (solved with the run's options) or one scheme for all, each
+    layer's layout fitted to what engines load under ``config.layout_policy`` (shapes from the shard headers)."""
     planned = config.planned_schemes()
     if planned is not None:
-        return SchemeAssignment(planned)
-    return uniform_assignment(arch, num_layers, config.resolved_scheme(), config.ignore)
+        assignment = SchemeAssignment(planned)
+    else:
+        assignment = uniform_assignment(arch, num_layers_of(weights.path), config.resolved_scheme(), config.ignore)
+    in_features = weights.in_features(list(assignment.schemes))
+    assignment = fit_layouts(assignment, in_features, config.layout_policy)
+    check_exports(assignment, in_features, config.export_formats, weights.storage_dtype())
+    return assignment
 
 
 def num_layers_of(source: Path) -> int:

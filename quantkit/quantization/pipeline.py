@@ -99,6 +99,7 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
 
     source = weights.path
     arch = arch_for_dir(source)
+    assignment = scheme_assignment(config, arch, weights)  # layouts are checked before any work
     calibration = None
     if config.needs_calibration:
         calibration = calibration_for_model(model, config.calibration, config.calibration_file, load_tokenizer(source))
@@ -113,7 +114,7 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
         num_layers=num_layers,
         weights=weights,
         storage=weights.storage_dtype(),
-        assignment=scheme_assignment(config, arch, num_layers),
+        assignment=assignment,
         calibration=calibration,
     )
 

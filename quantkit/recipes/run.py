@@ -15,7 +15,9 @@ from quantkit.recipes.schema import Recipe, recipe_to_dict
 from quantkit.recipes.stages import (
     RecipeRun,
     calibration_stage,
+    check_layouts,
     evaluate_stages,
+    export_stage,
     mixed_stages,
     model_stage,
     quantize_stage,
@@ -36,11 +38,13 @@ def run_recipe(
     output = Path(recipe.output.directory)
     report_dir = Path(report_dir) if report_dir is not None else output / "report"
     model_path, model_id = model_stage(run)
+    check_layouts(run, model_path)
     calib_path = calibration_stage(run, model_id)
     plan_path = mixed_stages(run, model_id, calib_path) if recipe.quantization.mixed is not None else None
     if recipe.quantization.plan is not None:
         plan_path = Path(recipe.quantization.plan)
     quantize_stage(run, model_path, calib_path, plan_path, output)
+    export_stage(run, output)
     quantized, baseline = evaluate_stages(run, model_id, output)
     gates = check_gates(recipe.gates, quantized, baseline)
     smoke = smoke_stage(run, output)

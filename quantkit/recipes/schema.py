@@ -17,11 +17,13 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from quantkit.data.calibration import SELECTIONS, STRATEGIES, CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
+from quantkit.export.run import COMPRESSED_TENSORS, OUTPUT_FORMATS
+from quantkit.format.engines import LAYOUT_POLICIES
 from quantkit.format.scheme import SUPPORTED_BITS, QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODES, CandidateName
 from quantkit.mixed.sensitivity import SensitivityConfig
-from quantkit.quantization.config import DEFAULT_METHOD
+from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
 from quantkit.quantization.methods import METHODS, resolve_scheme
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.recipes.overrides import RecipeError, apply_overrides, env_substitution
@@ -53,6 +55,8 @@ Selection = one_of(SELECTIONS)
 Bits = one_of(SUPPORTED_BITS)
 Mode = one_of(MODES)
 Method = one_of(METHODS)
+LayoutPolicy = one_of(LAYOUT_POLICIES)
+OutputFormat = one_of(OUTPUT_FORMATS)
 
 
 class CalibrationSection(FileModel):
@@ -102,6 +106,7 @@ class QuantizationSection(FileModel):
     scheme: SchemeSection = Field(default_factory=SchemeSection)
     damp: float = Field(GPTQConfig.damp, ge=0, lt=1)
     ignore: list[Regex] = Field(default_factory=list)
+    layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme
 
@@ -133,6 +138,20 @@ class QuantizationSection(FileModel):
 class OutputSection(FileModel):
     directory: str
     force: bool = False  # replace an existing directory that does not hold this recipe's checkpoint
+    formats: list[OutputFormat] = Field(default_factory=lambda: [COMPRESSED_TENSORS], min_length=1)
+
+    @field_validator("formats")
+    @classmethod
+    def _formats(cls, value: list[str]) -> list[str]:
+        """The compressed-tensors checkpoint is always written: the exports are made from its integer codes."""
+        if COMPRESSED_TENSORS not in value:
+            raise ValueError(
+                f"list {COMPRESSED_TENSORS} too (the exports are made from it), e.g. [{COMPRESSED_TENSORS}, gguf]"
+            )
+        return list(dict.fromkeys(value))
+
+    def export_formats(self) -> list[str]:
+        return [f for f in self.formats if f != COMPRESSED_TENSORS]
 
 
 class EvaluationSection(FileModel):

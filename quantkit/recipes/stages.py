@@ -210,7 +210,23 @@ def _cached_eval(run: RecipeRun, name: str, key: str, model: str, config: Any) -
     return result
 
 
-def quantize_config(run: RecipeRun, calib_path: Path, plan_path: Path | None) -> QuantizeConfig:
+def check_layouts(run: RecipeRun, model_path: Path) -> None:
+    """Before any work: every layer's scheme must be a layout engines load (unless the recipe's policy says
+    otherwise). A mixed plan is checked per candidate when it is measured."""
+    from quantkit.export.run import check_exports_of_model
+    from quantkit.model.resolve import arch_for_dir
+    from quantkit.model.source_weights import SourceWeights
+    from quantkit.quantization.job import scheme_assignment
+
+    check_exports_of_model(model_path, run.recipe.output.export_formats())
+    q = run.recipe.quantization
+    if q.mixed is not None:
+        return
+    config = quantize_config(run, None, None if q.plan is None else Path(q.plan))
+    scheme_assignment(config, arch_for_dir(model_path), SourceWeights(model_path))
+
+
+def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | None) -> QuantizeConfig:
     """The recipe's quantization section as a job config (the output is replaced once the new one is done)."""
     from quantkit.mixed.plan_apply import planned_schemes
     from quantkit.quantization.methods import expand_method
@@ -223,6 +239,8 @@ def quantize_config(run: RecipeRun, calib_path: Path, plan_path: Path | None) ->
         scheme=q.quant_scheme(),
         calibration_file=calib_path,
         ignore=list(q.ignore),
+        layout_policy=q.layout_policy,
+        export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),
         force=True,
         show_progress=run.show_progress,
@@ -259,14 +277,31 @@ def quantize_stage(run: RecipeRun, model_path: Path, calib_path: Path, plan_path
     run.figures["checkpoint MB"] = round(sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6, 3)
 
 
+def export_stage(run: RecipeRun, output: Path) -> None:
+    """The exports ``output.formats`` asks for, beside the checkpoint; kept while the checkpoint is unchanged."""
+    from quantkit.export.run import default_export_path, export_checkpoint
+
+    quantized_again = any(r.name == "quantize" and not r.cached for r in run.stages)
+    for fmt in run.recipe.output.export_formats():
+        path = default_export_path(output, fmt)
+        with run.stage(f"export {fmt}") as st:
+            st.cached = path.exists() and not quantized_again
+            if not st.cached:
+                export_checkpoint(output, fmt, path, force=True)
+            st.detail = str(path)
+        files = [path] if path.is_file() else [f for f in path.rglob("*") if f.is_file()]
+        run.figures[f"{fmt} MB"] = round(sum(f.stat().st_size for f in files) / 1e6, 3)
+
+
 def expected_fingerprints(config: QuantizeConfig, model_path: Path, calib_path: Path) -> dict[str, str]:
     """The fingerprints quantizing with ``config`` records (the pipeline's own functions)."""
     from quantkit.data.calibration import CalibrationSet
     from quantkit.model.resolve import arch_for_dir
     from quantkit.model.source_weights import SourceWeights
-    from quantkit.quantization.job import num_layers_of, run_fingerprints, scheme_assignment
+    from quantkit.quantization.job import run_fingerprints, scheme_assignment
 
     config.validate()
-    assignment = scheme_assignment(config, arch_for_dir(model_path), num_layers_of(model_path))
+    weights = SourceWeights(model_path)
+    assignment = scheme_assignment(config, arch_for_dir(model_path), weights)
     calibration = CalibrationSet.load(calib_path) if config.needs_calibration else None
-    return run_fingerprints(config, assignment, SourceWeights(model_path).fingerprint(), calibration)
+    return run_fingerprints(config, assignment, weights.fingerprint(), calibration)

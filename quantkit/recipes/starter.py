@@ -36,6 +36,7 @@ quantization:
     mse_clip: true             # Hessian-weighted range shrinking (omit: on for gptq)
   damp: @damp@                 # GPTQ damping (fraction of the mean Hessian diagonal)
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
+  layout_policy: strict        # strict | fallback (smaller groups where needed) | quantkit-only
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
   # mixed:
   #   target_bits: 4.5         # or max_size_mb: 60
@@ -48,6 +49,7 @@ quantization:
 output:
   directory: ${QUANTKIT_OUT:-out}/smollm2-w4-gptq
   force: true                  # replace a checkpoint that no longer matches the recipe
+  formats: [compressed-tensors] # add gptq (<directory>-gptq/) and/or gguf (<directory>.gguf)
 
 evaluation:
   dataset: null                # null: held-out Persuasion text

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 import json
 from pathlib import Path
 
@@ -11,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers_tiny import rtn_for_tests, tiny_llama
-from packaging.version import Version
 from safetensors.torch import load_file, save_file
 
 from quantkit.errors import QuantkitError
@@ -187,22 +185,4 @@ def test_transformers_loads_symmetric_checkpoint(tmp_path: Path) -> None:
     assert torch.allclose(ours, theirs, atol=1e-5, rtol=0)
 
 
-# transformers 5.22.0 loads these checkpoints (logits match); no fixed release yet, so the range is open-ended:
-# a fix makes this XPASS, which fails under strict=True, and the upper bound then goes here.
-_TRANSFORMERS = Version(importlib.metadata.version("transformers"))
-
-
-@pytest.mark.xfail(
-    condition=Version("5.23.0") <= _TRANSFORMERS,
-    reason="transformers >= 5.23 shape-checks pre-quantized params on load, and the compressed-tensors model it builds "
-    "holds weight_zero_point unpacked [N, G] where the checkpoint stores it packed [ceil(N*bits/32), G], so "
-    "from_pretrained raises on the size mismatch (5.22 skipped shape checks when a quantizer was active)",
-    raises=RuntimeError,
-    strict=True,
-)
-def test_transformers_loads_asymmetric_checkpoint(tmp_path: Path) -> None:
-    pytest.importorskip("compressed_tensors")
-    model = tiny_llama(seed=2)
-    quantized, cfg = _quantize(model, [(QuantScheme(bits=4, group_size=32, symmetric=False), ["Linear"])])
-    out = save_quantized_model(model, quantized, cfg, tmp_path / "q", dtype=torch.float32)
-    assert torch.allclose(_logits(load_quantized_model(out)), _logits(_hf_load(out)), atol=1e-5, rtol=0)
+# asymmetric schemes in transformers: tests/format/test_loader_matrix.py

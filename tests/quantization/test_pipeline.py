@@ -329,9 +329,8 @@ def test_stacked_solve_equals_solving_each_linear():
 @pytest.mark.parametrize(("method", "symmetric"), [("rtn", True), ("gptq", True), ("awq", False)])
 def test_cli_default_symmetry_follows_the_method(tiny_model_dir, calib_file, tmp_path, capsys, method, symmetric):
     out = tmp_path / "out"
-    code, _, err = run_cli(
-        ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), "--method", method], capsys
-    )
+    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), "--group-size", "32"]
+    code, _, err = run_cli([*args, "--method", method], capsys)
     assert code == 0, err
     groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
     assert groups["group_0"]["weights"]["symmetric"] is symmetric
@@ -340,14 +339,25 @@ def test_cli_default_symmetry_follows_the_method(tiny_model_dir, calib_file, tmp
 @pytest.mark.slow
 def test_cli_gptq_defaults_to_act_order_with_static_groups(tiny_model_dir, calib_file, tmp_path, capsys):
     out = tmp_path / "out"
-    code, _, err = run_cli(["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file)], capsys)
+    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), "--group-size", "32"]
+    code, _, err = run_cli(args, capsys)
     assert code == 0, err
     weights = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]["group_0"]
     assert weights["weights"]["actorder"] == "weight"  # static groups: no g_idx, loadable by other engines
     assert weights["weights"]["observer"] == "mse"  # Hessian-weighted MSE clipping is on for gptq
     plain_args = ["--no-act-order", "--no-mse-clip"]
     code, _, err = run_cli(
-        ["quantize", str(tiny_model_dir), "-o", str(tmp_path / "plain"), "--calib", str(calib_file), *plain_args],
+        [
+            "quantize",
+            str(tiny_model_dir),
+            "-o",
+            str(tmp_path / "plain"),
+            "--calib",
+            str(calib_file),
+            "--group-size",
+            "32",
+            *plain_args,
+        ],
         capsys,
     )
     assert code == 0, err

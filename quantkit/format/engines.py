@@ -1,0 +1,173 @@
+"""What the engines that load quantkit's output accept, per Linear layer: the one table of those rules.
+
+Two kinds of rule:
+
+- the *layout* (:func:`layout_problem`): a group size that does not divide a layer's in-features K leaves a
+  short last group; quantkit reads it, but compressed-tensors refuses it ("tensor column shape must be
+  divisible by the given group_size", on decompress too since 0.20), so transformers does, and vLLM refuses it
+  (``verify_group_size_divides_partition``). Act-order with dynamic groups (``actorder: group``, a g_idx per
+  layer) is refused by compressed-tensors 0.20 when it parses the config. quantize, plan and recipes refuse
+  such layouts unless told otherwise (:data:`LAYOUT_POLICIES`);
+- the *kernels* of each engine for a valid layout (:func:`vllm_kernel`, :func:`gptq_support`,
+  :func:`gguf_type`): shown by ``quantkit inspect`` and checked by the exports.
+
+Sources (read 2026-11): vLLM ``compressed_tensors_wNa16.py`` and ``kernels/linear/__init__.py`` (kernel order
+CutlassW4A8, Machete, Marlin, Conch, Exllama, TritonW4A16, Humming; the first whose ``can_implement`` passes),
+each kernel's ``can_implement``; compressed-tensors 0.20 ``quant_args.py``, ``forward_helpers.py`` and
+``pack_quantized``; transformers 5.23 ``quantizer_compressed_tensors.py``; llama.cpp ``ggml-common.h``.
+Tensor parallelism 1 is assumed (each partition is the whole N or K).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from quantkit.format.scheme import QuantScheme
+
+FALLBACK_GROUP_SIZES = (128, 64, 32)  # the group sizes every engine's kernels take, largest first
+STRICT, FALLBACK, QUANTKIT_ONLY = "strict", "fallback", "quantkit-only"
+LAYOUT_POLICIES = (STRICT, FALLBACK, QUANTKIT_ONLY)
+LAYOUT_POLICY_HELP = (
+    "strict: refuse layouts compressed-tensors, transformers or vLLM would refuse (the default); fallback: a smaller "
+    "group size on the layers whose in-features the group size does not divide (g128 -> g64 -> g32 -> channel); "
+    "quantkit-only: write short last groups and dynamic act-order groups, which only quantkit reads"
+)
+
+# transformers loads compressed-tensors checkpoints through the compressed-tensors package
+TRANSFORMERS_RANGE = "transformers >=5.17,!=5.23.0 (pyproject.toml) with compressed-tensors >=0.18"
+TRANSFORMERS_BROKEN = {
+    "5.23.0": "refuses asymmetric checkpoints (zero-point shape check) and decodes mixed checkpoints with "
+    "dequantize=True using the first group's scheme",
+}
+DENSE_PACKING_SINCE = "0.18"  # compressed-tensors packs 3/5/6/7-bit values densely (as quantkit) from 0.18 on
+
+HOPPER, AMPERE = 90, 80  # compute capabilities inspect reports vLLM's kernels for
+_MACHETE_GROUPS = (-1, 64, 128)
+_MARLIN_GROUPS = (-1, 32, 64, 128)
+_CONCH_GROUPS = (-1, 128)
+_TRITON_GROUPS = (-1, 32, 64, 128, 256)
+GPTQ_BITS = (2, 4, 8)  # the GPTQ v1 packings quantkit exports (3-bit GPTQ packs across words differently)
+GPTQ_MARLIN_GROUPS = _MARLIN_GROUPS
+GGUF_BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 hold 32 weights per block, one fp16 scale (and offset) each
+
+
+# --------------------------------------------------------------------------------------------------
+# Layout: what compressed-tensors (and so transformers and vLLM) accept at all
+# --------------------------------------------------------------------------------------------------
+
+
+def layout_problem(scheme: QuantScheme, in_features: int) -> str | None:
+    """Why compressed-tensors (and so transformers and vLLM) would refuse this layer's layout; None when valid."""
+    if not scheme.per_channel and in_features % scheme.group_size:
+        return f"group size {scheme.group_size} does not divide its {in_features} in-features"
+    if scheme.act_order and not scheme.static_groups:
+        return "act-order with dynamic groups (actorder 'group', a g_idx per layer)"
+    return None
+
+
+def fallback_scheme(scheme: QuantScheme, in_features: int) -> QuantScheme:
+    """The largest engine-valid group size below ``scheme``'s that divides ``in_features`` (per-channel if none)."""
+    for size in FALLBACK_GROUP_SIZES:
+        if size < scheme.group_size and in_features % size == 0:
+            return dataclasses.replace(scheme, group_size=size)
+    return dataclasses.replace(scheme, group_size=-1)
+
+
+def widest_dividing_group(in_features: list[int]) -> int:
+    """The largest engine-valid group size that divides every in-features given (-1: none does)."""
+    return next((size for size in FALLBACK_GROUP_SIZES if all(k % size == 0 for k in in_features)), -1)
+
+
+def group_label(scheme: QuantScheme) -> str:
+    return "channel" if scheme.per_channel else f"g{scheme.group_size}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels: which one each engine runs a valid layout with
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Support:
+    """One engine's verdict on one layer: ``kernel`` when it loads (e.g. "Marlin", "Q4_0"), else ``reason``."""
+
+    kernel: str | None
+    reason: str = ""
+    fast: bool = True  # False: only a fallback kernel, or one from an optional package
+
+    @property
+    def loads(self) -> bool:
+        return self.kernel is not None
+
+    @property
+    def label(self) -> str:
+        return self.kernel if self.kernel is not None else f"refused: {self.reason}"
+
+
+def transformers_support(scheme: QuantScheme, in_features: int) -> Support:
+    problem = layout_problem(scheme, in_features)
+    if problem:
+        return Support(None, problem)
+    dense = scheme.bits not in (1, 2, 4, 8)  # packed across word boundaries: older releases padded each word
+    return Support(f"loads (compressed-tensors >={DENSE_PACKING_SINCE})" if dense else "loads")
+
+
+def vllm_kernel(scheme: QuantScheme, out_features: int, in_features: int, capability: int) -> Support:
+    """The kernel vLLM's compressed-tensors WNA16 scheme picks for a layer on a GPU of this compute capability."""
+    problem = layout_problem(scheme, in_features)
+    if problem:
+        return Support(None, problem)
+    bits, sym, group = scheme.bits, scheme.symmetric, scheme.group_size
+    if not sym and bits not in (4, 8):
+        return Support(None, f"asymmetric {bits}-bit weights (vLLM takes zero points for 4 and 8 bits only)")
+    if bits in (4, 8):
+        if capability == HOPPER and group in _MACHETE_GROUPS and in_features % 64 == 0 and out_features % 128 == 0:
+            return Support("Machete")
+        if capability >= 75 and group in _MARLIN_GROUPS and (sym or bits == 4):
+            return Support("Marlin")
+        if capability >= 80 and group in _CONCH_GROUPS:
+            return Support("Conch (optional conch-triton-kernels package)", fast=False)
+        if bits == 4 and group in (*_TRITON_GROUPS, in_features) and out_features % 8 == 0:
+            return Support("TritonW4A16", fast=False)
+        if sym and group > 0 and out_features % (32 // bits) == 0:
+            return Support("Exllama (fp16 models only)", fast=False)
+    if capability >= 75:
+        return Support("Humming (optional humming-kernels package; vLLM from mid-2026)", fast=False)
+    return Support(None, f"no kernel for {scheme.name} on compute capability {capability / 10:.1f}")
+
+
+def gptq_support(scheme: QuantScheme, in_features: int) -> Support:
+    """Whether ``quantkit export --format gptq`` can hold the layer exactly, and vLLM's kernel for the result."""
+    if not scheme.symmetric:
+        return Support(None, "asymmetric (the GPTQ v1 export writes symmetric schemes)")
+    if scheme.bits not in GPTQ_BITS:
+        return Support(None, f"{scheme.bits}-bit weights (GPTQ v1 export writes {', '.join(map(str, GPTQ_BITS))} bits)")
+    if scheme.act_order and not scheme.static_groups:
+        return Support(None, "dynamic act-order groups (the export writes desc_act: false)")
+    if not scheme.per_channel and in_features % scheme.group_size:
+        return Support(None, f"group size {scheme.group_size} does not divide its {in_features} in-features")
+    if scheme.bits in (4, 8) and scheme.group_size in GPTQ_MARLIN_GROUPS:
+        return Support("gptq_marlin")
+    return Support("gptq (fp16 models only)", fast=False)
+
+
+def gguf_type(scheme: QuantScheme | None, in_features: int) -> Support:
+    """The GGUF block type that holds a layer's codes exactly (F16/BF16 for an unquantized one)."""
+    if scheme is None:
+        return Support("F16/BF16")
+    if scheme.act_order and not scheme.static_groups:
+        return Support(None, "dynamic act-order groups (GGUF blocks are contiguous)")
+    group = in_features if scheme.per_channel else scheme.group_size
+    if group % GGUF_BLOCK or in_features % GGUF_BLOCK:
+        return Support(None, f"groups of {group} over {in_features} in-features are not whole {GGUF_BLOCK}-blocks")
+    if scheme.bits == 4:
+        return Support("Q4_0" if scheme.symmetric else "Q4_1")
+    if scheme.bits == 8 and scheme.symmetric:
+        return Support("Q8_0")
+    kind = "symmetric" if scheme.symmetric else "asymmetric"
+    return Support(None, f"{kind} {scheme.bits}-bit weights (GGUF holds int4 as Q4_0/Q4_1 and int8 as Q8_0)")
+
+
+# the exports quantkit writes from a checkpoint's codes, and the per-layer rule of each
+EXPORT_SUPPORT = {"gptq": gptq_support, "gguf": gguf_type}

@@ -1,0 +1,64 @@
+"""Where a checkpoint loads: every layer's verdict from :mod:`quantkit.format.engines`, summed up per engine."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from quantkit.format.engines import (
+    AMPERE,
+    HOPPER,
+    TRANSFORMERS_BROKEN,
+    TRANSFORMERS_RANGE,
+    Support,
+    gguf_type,
+    gptq_support,
+    transformers_support,
+    vllm_kernel,
+)
+from quantkit.format.scheme import QuantScheme
+
+
+@dataclass(slots=True)
+class EngineVerdict:
+    engine: str
+    loads: bool  # every layer loads
+    summary: str  # e.g. "Machete 60, Marlin 150" or "refused: 90 layers (group size 128 does not divide ...)"
+    layers: dict[str, str]  # layer -> kernel, or "refused: <reason>"
+
+
+@dataclass(slots=True, frozen=True)
+class LayerShape:
+    name: str
+    scheme: QuantScheme
+    out_features: int
+    in_features: int
+
+
+_ENGINES: dict[str, Callable[[LayerShape], Support]] = {
+    "transformers": lambda s: transformers_support(s.scheme, s.in_features),
+    f"vLLM, Hopper (sm{HOPPER})": lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, HOPPER),
+    f"vLLM, Ampere (sm{AMPERE})": lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, AMPERE),
+    "GPTQ v1 (quantkit export)": lambda s: gptq_support(s.scheme, s.in_features),
+    "GGUF (quantkit export)": lambda s: gguf_type(s.scheme, s.in_features),
+}
+
+
+def loads_in(layers: list[LayerShape]) -> list[EngineVerdict]:
+    """One verdict per engine over all quantized layers."""
+    return [_verdict(engine, judge, layers) for engine, judge in _ENGINES.items()]
+
+
+def _verdict(engine: str, judge: Callable[[LayerShape], Support], layers: list[LayerShape]) -> EngineVerdict:
+    verdicts = {layer.name: judge(layer) for layer in layers}
+    loaded = Counter(v.kernel for v in verdicts.values() if v.loads)
+    refused = Counter(v.reason for v in verdicts.values() if not v.loads)
+    parts = [f"{kernel} {count}" for kernel, count in loaded.most_common()]
+    parts += [f"refused {count} ({reason})" for reason, count in refused.most_common()]
+    summary = ", ".join(parts)
+    if engine == "transformers" and loaded:
+        summary += f"; {TRANSFORMERS_RANGE}"
+        if any(not layer.scheme.symmetric for layer in layers) or len({layer.scheme for layer in layers}) > 1:
+            summary += "".join(f"; {version} {why}" for version, why in TRANSFORMERS_BROKEN.items())
+    return EngineVerdict(engine, not refused, summary, {name: v.label for name, v in verdicts.items()})

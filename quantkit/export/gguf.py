@@ -36,7 +36,7 @@ from quantkit.export.source import ExportSource, ExportSummary
 from quantkit.format.engines import gguf_type
 from quantkit.format.pack import unpack_int32
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.format.tensors import PACKED, QUANTIZED_PARTS, SCALE, SHAPE, ZERO
+from quantkit.format.tensors import PACKED, QUANTIZED_PARTS, SCALE, ZERO
 
 # HF architecture -> llama.cpp architecture (the converter's model classes registered for these names).
 ARCHITECTURES: dict[str, gguf.MODEL_ARCH] = {
@@ -129,12 +129,6 @@ def _tensor_names(source: ExportSource) -> Iterator[tuple[Path, str]]:
                 yield file, key
 
 
-def _linear_shape(file: Path, prefix: str) -> tuple[int, int]:
-    with safe_open(str(file), framework="pt") as handle:
-        n, k = handle.get_tensor(f"{prefix}.{SHAPE}").tolist()
-    return int(n), int(k)
-
-
 def _checkpoint_tensors(source: ExportSource) -> Iterator[tuple[Path, str, str | None]]:
     """(file, HF tensor name, quantized Linear prefix or None) of every tensor to export, in checkpoint order.
 
@@ -148,9 +142,11 @@ def _checkpoint_tensors(source: ExportSource) -> Iterator[tuple[Path, str, str |
             yield file, key, None
 
 
-def _shape_and_type(file: Path, hf_name: str, name: str, scheme: QuantScheme | None) -> tuple[tuple[int, ...], QType]:
+def _shape_and_type(
+    source: ExportSource, file: Path, hf_name: str, name: str, scheme: QuantScheme | None
+) -> tuple[tuple[int, ...], QType]:
     if scheme is not None:
-        shape = _linear_shape(file, hf_name.removesuffix(".weight"))
+        shape = source.shapes[hf_name.removesuffix(".weight")]
         qtype = block_type(scheme, shape[1])
         assert qtype is not None, "check_gguf refuses schemes without a block type"
         return shape, qtype
@@ -172,7 +168,7 @@ def plan_tensors(source: ExportSource, arch: gguf.MODEL_ARCH) -> list[Entry]:
                 f"{source.path}: tensor {hf_name} has no llama.cpp name for arch {gguf.MODEL_ARCH_NAMES[arch]}; "
                 "GGUF export writes the standard decoder tensors only"
             )
-        shape, qtype = _shape_and_type(file, hf_name, name, schemes[prefix] if prefix else None)
+        shape, qtype = _shape_and_type(source, file, hf_name, name, schemes[prefix] if prefix else None)
         heads = _permute_heads(arch, source.config, hf_name)
         plan.append(Entry(hf_name, name, qtype, shape, file, prefix, heads))
     return plan
@@ -197,7 +193,7 @@ def _layers_text(prefixes: list[str]) -> str:
 def _check_schemes(source: ExportSource) -> None:
     refused: dict[str, list[str]] = {}
     for prefix, scheme in source.scheme_of.items():
-        support = gguf_type(scheme, _linear_shape(source.quantized[prefix], prefix)[1])
+        support = gguf_type(scheme, source.shapes[prefix][1])
         if not support.loads:
             refused.setdefault(f"{scheme.name}: {support.reason}", []).append(prefix)
     for reason, prefixes in refused.items():

@@ -32,18 +32,16 @@ from quantkit import __version__
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource, ExportSummary
 from quantkit.format.engines import gptq_support
-from quantkit.format.files import RUN_LOG
+from quantkit.format.files import side_files
 from quantkit.format.pack import pack_int32
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.format.tensors import SCALE, SHAPE
-from quantkit.format.writer import INDEX_FILE, ShardedWriter
+from quantkit.format.tensors import SCALE
+from quantkit.format.writer import ShardedWriter
 
 DEFAULT_MAX_SHARD_BYTES = 1024 * 1_000_000  # one shard is held in memory while it is written
 QUANTIZE_CONFIG = "quantize_config.json"  # AutoGPTQ reads only this file; vLLM and GPTQModel fall back to it
 # vLLM loads these HF linears as one fused matrix named by the key; a dynamic rule must match that name too
 VLLM_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_NOT_COPIED = {"config.json", QUANTIZE_CONFIG, RUN_LOG, INDEX_FILE}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 _IN_LAYER = re.compile(r"^(?P<stack>.+?)\.(?P<index>\d+)\.(?P<rest>.+)$")  # model.layers . 3 . mlp.down_proj
 _DTYPE_LABELS = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
@@ -89,21 +87,14 @@ def _word_problem(scheme: QuantScheme, n: int, k: int) -> str | None:
 
 def _read_shapes_and_scales(source: ExportSource) -> tuple[dict[str, tuple[int, int]], dict[str, int]]:
     """(N, K) of every quantized Linear, and per layer the count of scales float16 does not hold exactly."""
-    shapes: dict[str, tuple[int, int]] = {}
     inexact: dict[str, int] = {}
-    for file in source.files:
-        prefixes = [p for p, f in source.quantized.items() if f == file]
-        if not prefixes:
-            continue
+    for prefix, file in source.quantized.items():
         with safe_open(str(file), framework="pt") as handle:
-            for prefix in prefixes:
-                n, k = (int(v) for v in handle.get_tensor(f"{prefix}.{SHAPE}").tolist())
-                shapes[prefix] = (n, k)
-                scale = handle.get_tensor(f"{prefix}.{SCALE}").float()
-                bad = int((scale.to(torch.float16).float() != scale).sum())  # NaN counts as inexact
-                if bad:
-                    inexact[prefix] = bad
-    return {p: shapes[p] for p in source.quantized}, inexact
+            scale = handle.get_tensor(f"{prefix}.{SCALE}").float()
+        bad = int((scale.to(torch.float16).float() != scale).sum())  # NaN counts as inexact
+        if bad:
+            inexact[prefix] = bad
+    return source.shapes, inexact
 
 
 # --------------------------------------------------------------------------------------------------
@@ -264,7 +255,7 @@ def write_gptq(source: ExportSource, out_dir: Path, *, max_shard_bytes: int = DE
             writer.add({name: tensor})
             types[_dtype_label(tensor.dtype)] += 1
             dense_dtypes.add(tensor.dtype)
-        writer.finalize(_config_without_quantization(source), _copied_files(source.path), quant_config)
+        writer.finalize(_config_without_quantization(source), side_files(source.path), quant_config)
     (out_dir / QUANTIZE_CONFIG).write_text(json.dumps(quant_config, indent=2) + "\n")
     return ExportSummary(
         format="gptq",
@@ -277,15 +268,6 @@ def write_gptq(source: ExportSource, out_dir: Path, *, max_shard_bytes: int = DE
 
 def _config_without_quantization(source: ExportSource) -> dict[str, Any]:
     return {k: v for k, v in source.config.items() if k != "quantization_config"}
-
-
-def _copied_files(path: Path) -> list[Path]:
-    """Tokenizer, generation config, chat template and other side files (not weights, configs or quantkit's log)."""
-    return [
-        f
-        for f in sorted(path.iterdir())
-        if f.is_file() and f.name not in _NOT_COPIED and not f.name.startswith(".") and f.suffix not in _WEIGHT_SUFFIXES
-    ]
 
 
 def _dtype_label(dtype: torch.dtype) -> str:

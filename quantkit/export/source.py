@@ -19,7 +19,7 @@ from quantkit.errors import QuantkitError
 from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.format.tensors import PACKED, QUANTIZED_PARTS, SCALE, read_linear
+from quantkit.format.tensors import PACKED, QUANTIZED_PARTS, SCALE, SHAPE, read_linear
 
 
 @dataclass(slots=True)
@@ -31,6 +31,7 @@ class ExportSource:
     layout: QuantizationLayout
     files: list[Path]
     quantized: dict[str, Path]  # Linear prefix -> shard that holds its tensors
+    shapes: dict[str, tuple[int, int]]  # Linear prefix -> (out, in) features, from its weight_shape
 
     @property
     def scheme_of(self) -> dict[str, QuantScheme]:
@@ -83,14 +84,18 @@ def open_export_source(path: Path) -> ExportSource:
     layout = parse_quantization_config(qc)
     files = shard_files(path)
     quantized: dict[str, Path] = {}
+    shapes: dict[str, tuple[int, int]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
                 if key.endswith("." + PACKED):
-                    quantized[key.removesuffix("." + PACKED)] = file
+                    prefix = key.removesuffix("." + PACKED)
+                    quantized[prefix] = file
+                    n, k = handle.get_tensor(f"{prefix}.{SHAPE}").tolist()
+                    shapes[prefix] = (int(n), int(k))
     if not quantized:
         raise QuantkitError(f"{path} holds no packed weights; it is not a quantized checkpoint")
-    return ExportSource(path=path, config=config, layout=layout, files=files, quantized=quantized)
+    return ExportSource(path=path, config=config, layout=layout, files=files, quantized=quantized, shapes=shapes)
 
 
 @dataclass(slots=True)

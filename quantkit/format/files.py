@@ -15,6 +15,21 @@ from quantkit.format.tensors import SCALE
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
 
 RUN_LOG = "quantkit_log.json"  # what `quantkit quantize` records beside the checkpoint (method, data, layers)
+_NOT_SIDE_FILES = {"config.json", INDEX_FILE, RUN_LOG, "quantize_config.json"}
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
+
+
+def side_files(path: Path) -> list[Path]:
+    """A model directory's tokenizer, generation config, chat template and other side files: what a checkpoint
+    written from it copies (not its weights, configs, or quantkit's run log)."""
+    return [
+        f
+        for f in sorted(Path(path).iterdir())
+        if f.is_file()
+        and f.name not in _NOT_SIDE_FILES
+        and not f.name.startswith(".")
+        and not f.name.endswith(_WEIGHT_SUFFIXES)
+    ]
 
 
 def read_checkpoint_config(path: Path) -> dict:

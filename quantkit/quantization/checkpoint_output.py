@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from quantkit.format.files import RUN_LOG
+from quantkit.format.files import RUN_LOG, side_files
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
@@ -19,9 +19,6 @@ from quantkit.model.source_weights import config_json
 from quantkit.quantization.job import QuantizeJob
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.workdir import WorkDir
-
-_NOT_COPIED = {"config.json", "model.safetensors.index.json"}
-_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
 def block_tensors(
@@ -53,7 +50,7 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
             with safe_open(str(work.block_file(index)), framework="pt") as f:
                 writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
         (writer.tmp_dir / RUN_LOG).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
-        writer.finalize(model_config, _copied_files(job.source), job.assignment.quantization_config())
+        writer.finalize(model_config, side_files(job.source), job.assignment.quantization_config())
 
 
 def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
@@ -71,18 +68,6 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
     if job.assignment.fallbacks:
         log["layout_fallbacks"] = job.assignment.fallbacks  # --layout-policy fallback: linear -> "g128 -> g64"
     return log
-
-
-def _copied_files(source: Path) -> list[Path]:
-    """The source's tokenizer and generation files (not its weights or config)."""
-    return [
-        f
-        for f in sorted(source.iterdir())
-        if f.is_file()
-        and f.name not in _NOT_COPIED
-        and not f.name.startswith(".")
-        and not f.name.endswith(_WEIGHT_SUFFIXES)
-    ]
 
 
 def read_run_fingerprints(output: Path) -> dict[str, str] | None:

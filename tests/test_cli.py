@@ -89,3 +89,17 @@ def test_bad_inputs_exit_2_with_one_clear_line(tiny_model_dir, text_corpus, tmp_
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     _fails(["eval", str(gpt2)], capsys, "architecture 'gpt2' is not supported")
     assert not out.exists()
+
+
+def test_a_full_disk_is_one_line_and_exit_2(monkeypatch, capsys, tmp_path):
+    import errno
+
+    from quantkit.format import inspect as inspect_module
+
+    def full(*_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "out" / "model.safetensors"))
+
+    monkeypatch.setattr(inspect_module, "inspect_checkpoint", full)
+    code, _, err = run_cli(["inspect", str(tmp_path)], capsys)
+    assert code == 2 and "Traceback" not in err
+    assert f"no space left on device writing {tmp_path}/out/model.safetensors; free space and rerun" in err

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -65,6 +66,16 @@ def main() -> None:
         app()
     except QuantkitError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(EXIT_INPUT_ERROR)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        where = f" writing {exc.filename}" if exc.filename else ""
+        err.print(
+            f"[bold red]error:[/] no space left on device{escape(where)}; free space and rerun "
+            "(quantize: add --resume to continue after the last finished block)",
+            soft_wrap=True,
+        )
         sys.exit(EXIT_INPUT_ERROR)
     except KeyboardInterrupt:
         err.print("[bold red]interrupted[/]")

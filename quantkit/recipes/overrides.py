@@ -17,14 +17,23 @@ from quantkit.errors import QuantkitError
 from quantkit.schemas.located import LocatedDict, OnString, located
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+# a variable whose name has one of these words (HF_TOKEN, OPENAI_API_KEY, DB_PASSWORD) holds a secret: its value is
+# redacted from reports
+SECRET_WORDS = {"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS", "AUTH"}
+REDACTED = "<redacted ${{{name}}}>"
+
+
+def is_secret_name(name: str) -> bool:
+    return any(word in SECRET_WORDS for word in name.upper().split("_"))
 
 
 class RecipeError(QuantkitError):
     """An invalid recipe: the message names the file, the line and the key path."""
 
 
-def substitute_env(text: str, where: str) -> str:
-    """``text`` with ``${VAR}`` and ``${VAR:-default}`` replaced; an unset variable without a default is an error."""
+def substitute_env(text: str, where: str, secrets: dict[str, str] | None = None) -> str:
+    """``text`` with ``${VAR}`` and ``${VAR:-default}`` replaced; an unset variable without a default is an error.
+    Values of secret-named variables are recorded in ``secrets`` (name -> value)."""
 
     def replace(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
@@ -35,19 +44,34 @@ def substitute_env(text: str, where: str) -> str:
                     f"{where}: environment variable '{name}' is not set and has no default; "
                     f"export it or write ${{{name}:-default}}"
                 )
-            return default
+            value = default
+        if secrets is not None and value and is_secret_name(name):
+            secrets[name] = value
         return value
 
     return _ENV.sub(replace, text)
 
 
-def env_substitution(label: str) -> OnString:
+def redact(value: Any, secrets: dict[str, str]) -> Any:
+    """``value`` (strings, lists, dicts) with every secret's value replaced by ``<redacted ${NAME}>``."""
+    if isinstance(value, str):
+        for name, secret in secrets.items():
+            value = value.replace(secret, REDACTED.format(name=name))
+        return value
+    if isinstance(value, dict):
+        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [redact(v, secrets) for v in value]
+    return value
+
+
+def env_substitution(label: str, secrets: dict[str, str] | None = None) -> OnString:
     """A ``load_yaml`` string hook that substitutes ``${VAR}``; returns the scalar's (re-typed) value."""
 
     def on_string(text: str, line: int, quoted: bool) -> Any:
         if "${" not in text:
             return text
-        substituted = substitute_env(text, f"{label}:{line}")
+        substituted = substitute_env(text, f"{label}:{line}", secrets)
         if not quoted:  # type the result as YAML would (${BITS:-4} -> 4)
             typed = yaml.safe_load(substituted) if substituted.strip() else None
             if not isinstance(typed, (dict, list)):
@@ -57,7 +81,7 @@ def env_substitution(label: str) -> OnString:
     return on_string
 
 
-def apply_overrides(data: LocatedDict, overrides: list[str], label: str) -> None:
+def apply_overrides(data: LocatedDict, overrides: list[str], label: str, secrets: dict[str, str] | None = None) -> None:
     """Apply each ``a.b.c=value`` to ``data`` in place; a malformed expression or a non-mapping on the way fails."""
     for expr in overrides:
         path, sep, raw = expr.partition("=")
@@ -70,7 +94,7 @@ def apply_overrides(data: LocatedDict, overrides: list[str], label: str) -> None
             raise RecipeError(f"--set {expr!r}: the value is not valid YAML ({exc})") from exc
         where = f"--set {expr}"
         if isinstance(value, str) and "${" in value:
-            value = substitute_env(value, where)
+            value = substitute_env(value, where, secrets)
         node = data
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key)

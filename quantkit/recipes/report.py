@@ -14,6 +14,7 @@ from typing import Any
 from rich.table import Table
 
 from quantkit.atomic import write_json, write_text
+from quantkit.recipes.overrides import redact
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -105,9 +106,11 @@ def environment() -> dict[str, Any]:
     }
 
 
-def write_report(report: RecipeReport, directory: Path) -> None:
-    write_json(directory / REPORT_JSON, report.to_dict())
-    write_text(directory / REPORT_MD, render_markdown(report))
+def write_report(report: RecipeReport, directory: Path, secrets: dict[str, str] | None = None) -> None:
+    """report.json and report.md, with the values of secret-named ``${VAR}`` substitutions redacted."""
+    secrets = secrets or {}
+    write_json(directory / REPORT_JSON, redact(report.to_dict(), secrets))
+    write_text(directory / REPORT_MD, redact(render_markdown(report), secrets))
 
 
 def _fmt(value: Any) -> str:

@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from quantkit.recipes.report import RecipeReport, check_gates, environment, write_report
-from quantkit.recipes.schema import Recipe, recipe_to_dict
+from quantkit.recipes.schema import Recipe, recipe_secrets, recipe_to_dict
 from quantkit.recipes.stages import (
     RecipeRun,
     calibration_stage,
@@ -61,5 +61,5 @@ def run_recipe(
         smoke=smoke,
         config=recipe_to_dict(recipe),
     )
-    write_report(report, report_dir)
+    write_report(report, report_dir, recipe_secrets(recipe))
     return report

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from quantkit.data.calibration import SELECTIONS, STRATEGIES, CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
@@ -175,6 +175,7 @@ class SmokeSection(FileModel):
 
 
 class Recipe(FileModel):
+    _secrets: dict[str, str] = PrivateAttr(default_factory=dict)  # ${VAR} name -> value, redacted from reports
     model: str
     output: OutputSection
     calibration: CalibrationSection = Field(default_factory=CalibrationSection)
@@ -189,12 +190,20 @@ def recipe_from_text(text: str, label: str = "recipe", overrides: list[str] | No
 
     Raises RecipeError naming ``label:line``, the key path and the problem.
     """
-    data = load_yaml(text, label, error=RecipeError, on_string=env_substitution(label))
+    secrets: dict[str, str] = {}
+    data = load_yaml(text, label, error=RecipeError, on_string=env_substitution(label, secrets))
     if data is None:
         raise RecipeError(f"{label}: the recipe is empty; start from `quantkit recipe new`")
     if isinstance(data, LocatedDict):  # otherwise validation says what the recipe should be
-        apply_overrides(data, list(overrides or []), label)
-    return validate(Recipe, data, label, error=RecipeError)
+        apply_overrides(data, list(overrides or []), label, secrets)
+    recipe = validate(Recipe, data, label, error=RecipeError)
+    recipe._secrets = secrets
+    return recipe
+
+
+def recipe_secrets(recipe: Recipe) -> dict[str, str]:
+    """The values of secret-named ``${VAR}`` substitutions (``HF_TOKEN``, ``*_API_KEY``...), by variable name."""
+    return dict(recipe._secrets)
 
 
 def load_recipe(path: Path | str, overrides: list[str] | None = None) -> Recipe:

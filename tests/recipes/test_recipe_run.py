@@ -144,3 +144,17 @@ def test_smoke_stage_calls_run_smoke_and_decides_the_exit(
     assert _report(tmp_path)["smoke"]["ok"] is ok
     if not ok:
         assert "smoke: chat: output differs" in err
+
+
+def test_secret_named_variables_are_redacted_from_reports(tiny_model_dir, text_corpus, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("RUN_API_KEY", "sk-live-0123456789")
+    monkeypatch.setenv("NUM_TOKENS", "ckpt")  # TOKENS is not a secret word: kept
+    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus)
+    text = recipe.read_text().replace(str(tmp_path / "ckpt"), f'"{tmp_path}/${{NUM_TOKENS}}-${{RUN_API_KEY}}"')
+    recipe.write_text(text)
+    code, _, err = _run(recipe, tmp_path, capsys)
+    assert code == 0, err
+    for name in ("report.json", "report.md"):
+        written = (tmp_path / "report" / name).read_text()
+        assert "sk-live-0123456789" not in written and "ckpt-<redacted ${RUN_API_KEY}>" in written
+    assert _report(tmp_path)["figures"]["perplexity"] > 0

@@ -32,11 +32,14 @@ def serve(
         int, typer.Option(help="Requests waiting beyond the running batch; more get 429.")
     ] = ServeConfig.max_queue,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients send (default: MODEL).")
+        str | None, typer.Option(help="Model name clients send (default: MODEL's basename).")
     ] = ServeConfig.served_model_name,
     drain_timeout: Annotated[
         float, typer.Option(help="Seconds running requests get after SIGTERM.")
     ] = ServeConfig.drain_timeout,
+    max_body_bytes: Annotated[
+        int, typer.Option(help="Largest request body in bytes; a bigger one gets 413.")
+    ] = ServeConfig.max_body_bytes,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
@@ -52,6 +55,7 @@ def serve(
         max_model_len=max_model_len,
         kv_cache_blocks=kv_cache_blocks,
         drain_timeout=drain_timeout,
+        max_body_bytes=max_body_bytes,
         log_level=log_level,
     )
     run_server(model, config)

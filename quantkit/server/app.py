@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import hmac
 import json
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +26,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
-from quantkit.server.async_engine import AsyncEngine
+from quantkit.server.async_engine import AsyncEngine, bad_request
 from quantkit.server.config import ServeConfig
 from quantkit.server.metrics import Metrics, resident_memory_bytes
 from quantkit.server.protocol import (
@@ -35,12 +39,24 @@ from quantkit.server.protocol import (
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
+    ErrorResponse,
     Usage,
     chunk,
     new_id,
 )
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+CHARS_PER_TOKEN_LIMIT = 32  # a prompt longer than this many characters per context token is refused untokenized
+
+_ERROR = {"model": ErrorResponse}
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {**_ERROR, "description": "Bad request: malformed JSON, a wrong type, a value out of range, invalid "
+          "Unicode, an unknown model, or a prompt that does not fit the context."},
+    401: {**_ERROR, "description": "Missing or wrong API key."},
+    413: {**_ERROR, "description": "The request body is larger than the server's --max-body-bytes."},
+    429: {**_ERROR, "description": "The server queue is full; retry later."},
+    503: {**_ERROR, "description": "The server is shutting down."},
+}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -49,6 +65,7 @@ class ServerState:
     metrics: Metrics
     model_name: str
     api_key: str | None
+    max_body_bytes: int = ServeConfig.max_body_bytes
     draining: bool = False  # set on SIGTERM: new requests get 503 while running ones finish
 
 
@@ -58,10 +75,14 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
     if isinstance(engine_or_model, Engine):
         engine, default_name = engine_or_model, engine_or_model.path.name
     else:
-        engine, default_name = Engine(engine_or_model, config.engine_config()), str(engine_or_model)
+        engine, default_name = Engine(engine_or_model, config.engine_config()), _model_name(engine_or_model)
     metrics = Metrics()
     name = config.served_model_name or default_name
-    state = ServerState(AsyncEngine(engine, config.max_queue, metrics), metrics, name, config.api_key)
+    state = ServerState(
+        AsyncEngine(engine, config.max_queue, metrics), metrics, name, config.api_key, config.max_body_bytes
+    )
+    tokenizer = _Tokenizer(engine.tokenizer)
+    max_chars = CHARS_PER_TOKEN_LIMIT * engine.max_model_len
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -69,7 +90,8 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
         yield
         state.engine.stop()
 
-    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.openapi = _openapi_without_422(app.openapi)  # type: ignore[method-assign]
     app.state.server = state
     app.add_middleware(_Gate, state=state)
     app.add_exception_handler(APIError, _api_error)
@@ -100,28 +122,28 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
         }
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(req: CompletionRequest, request: Request) -> Any:
         _check(req, state)
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16)
+        if isinstance(prompt, str) and tokenizer.tokenizer is not None:  # without one the engine says so
+            _check_chars(len(prompt), max_chars, "prompt")
+            prompt = await tokenizer.run(_encode, prompt)
         rid = await state.engine.add(lambda _: (prompt, params))
         return await _respond(state, req, rid, params, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(req: ChatRequest, request: Request) -> Any:
         _check(req, state)
         messages = req.plain_messages()
         limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(limit if limit is not None else 1)
-
-        def build(eng: Engine) -> tuple[list[int], SamplingParams]:
-            ids = chat_prompt_ids(eng.tokenizer, messages)
-            if limit is None:  # as OpenAI: up to the context length
-                params.max_tokens = max(1, eng.max_model_len - len(ids))
-            return ids, params
-
-        rid = await state.engine.add(build)
+        _check_chars(sum(len(m["role"]) + len(m["content"]) for m in messages), max_chars, "messages")
+        ids = await tokenizer.run(chat_prompt_ids, messages)
+        if limit is None:  # as OpenAI: up to the context length
+            params.max_tokens = max(1, engine.max_model_len - len(ids))
+        rid = await state.engine.add(lambda _: (ids, params))
         return await _respond(state, req, rid, params, request, chat=True)
 
     return app
@@ -139,6 +161,58 @@ def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]
         return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template has the special tokens
     text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
     return list(tokenizer(text).input_ids)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text).input_ids)  # as Engine.encode
+
+
+class _Tokenizer:
+    """Prompts are tokenized on a thread of their own with their own copy of the tokenizer: never on the event
+    loop, and never on the engine thread, where a huge prompt would stall every running request."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        try:
+            self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizer
+        except Exception:  # a tokenizer that cannot be copied: calls that only read it are thread-safe
+            self.tokenizer = tokenizer
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-tokenize")
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(tokenizer, *args)`` on the tokenizer thread; a QuantkitError (no tokenizer) becomes a 400."""
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.tokenizer, *args)
+        except QuantkitError as exc:
+            raise bad_request(str(exc)) from None
+
+
+def _check_chars(chars: int, limit: int, param: str) -> None:
+    if chars > limit:
+        raise APIError(
+            400, f"the {param} has {chars} characters; at most {limit} are accepted ({CHARS_PER_TOKEN_LIMIT} per "
+            f"token of the {limit // CHARS_PER_TOKEN_LIMIT}-token context)", param=param,
+            code="context_length_exceeded",
+        )  # fmt: skip
+
+
+def _model_name(model: str | Path) -> str:
+    """The default served name: a local directory's basename (a path is never shown to clients), else as given."""
+    return Path(model).resolve().name if os.path.exists(model) else str(model)
+
+
+def _openapi_without_422(openapi: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """Request errors are answered 400 with an error object (documented per route), never FastAPI's 422."""
+
+    def schema() -> dict[str, Any]:
+        doc = openapi()
+        for operations in doc.get("paths", {}).values():
+            for operation in operations.values():
+                operation.get("responses", {}).pop("422", None)
+        for name in ("HTTPValidationError", "ValidationError"):
+            doc.get("components", {}).get("schemas", {}).pop(name, None)
+        return doc
+
+    return schema
 
 
 def _check(req: BaseRequest, state: ServerState) -> None:
@@ -265,6 +339,12 @@ class _Gate:
 
         try:
             error = self._refuse(scope, path)
+            if error is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+                body = await _read_body(scope, receive, self.state.max_body_bytes)
+                if isinstance(body, APIError):
+                    error = body
+                else:
+                    receive = _replay(body, receive)
             if error is None:
                 await self.app(scope, receive, counted)
             else:
@@ -276,9 +356,50 @@ class _Gate:
     def _refuse(self, scope: Scope, path: str) -> APIError | None:
         key = self.state.api_key
         if key is not None and path != "/health":
-            auth = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
-            if not hmac.compare_digest(auth.encode(), f"Bearer {key}".encode()):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared as the UTF-8 bytes sent
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())):
                 return APIError(401, "invalid or missing API key", code="invalid_api_key")
         if self.state.draining and path.startswith("/v1/"):
             return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         return None
+
+
+async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | APIError:
+    """The whole request body, or a 413 error as soon as it is known to exceed ``limit`` bytes: from its
+    Content-Length before anything is read, else once the bytes read pass it (nothing is parsed before)."""
+    too_big = APIError(
+        413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
+        param=None, code="request_too_large",
+    )  # fmt: skip
+    length = dict(scope["headers"]).get(b"content-length", b"")
+    if length.strip().isdigit() and int(length) > limit:
+        return too_big
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # the client left: the app sees an empty body and its disconnect
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return too_big
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body already read, then the connection's own messages (disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

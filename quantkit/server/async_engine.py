@@ -54,6 +54,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._unpaused = threading.Event()
         self._unpaused.set()
+        self._closed: APIError | None = None  # set by close(): every request in flight or new gets this error
 
     # ----------------------------------------------------------------- lifecycle (event loop side)
     def start(self) -> None:
@@ -75,6 +76,15 @@ class AsyncEngine:
     def resume(self) -> None:
         self._unpaused.set()
 
+    def close(self, error: APIError) -> None:
+        """From any thread: end every request in flight with ``error`` (and refuse new ones); each is aborted
+        as its handler leaves. Used when the drain time after SIGTERM has run out."""
+        self._call_soon(self._close, error)
+
+    def _close(self, error: APIError) -> None:
+        self._closed = error
+        self._fail_all(error)
+
     # ----------------------------------------------------------------- requests (event loop side)
     async def add(self, build: Build) -> str:
         """Queue a request built on the engine thread; APIError 429 when full, 400 when the engine refuses it."""
@@ -83,6 +93,8 @@ class AsyncEngine:
                 429, f"the server queue is full ({self.max_in_flight} requests); retry later", "rate_limit_error",
                 code="queue_full",
             )  # fmt: skip
+        if self._closed is not None:
+            raise self._closed
         rid = uuid.uuid4().hex
         self._streams[rid] = asyncio.Queue()
         self.num_in_flight += 1
@@ -95,7 +107,7 @@ class AsyncEngine:
             await asyncio.wrap_future(self._submit(add))
         except QuantkitError as exc:
             self.cleanup(rid, finished=True)
-            raise _bad_request(str(exc)) from None
+            raise bad_request(str(exc)) from None
         except BaseException:
             self.cleanup(rid, finished=True)
             raise
@@ -204,7 +216,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(fn, arg)
 
 
-def _bad_request(message: str) -> APIError:
+def bad_request(message: str) -> APIError:
     if "max_model_len" in message or "KV blocks" in message:
         return APIError(400, message, param="prompt", code="context_length_exceeded")
     return APIError(400, message, param="prompt" if "prompt" in message else None)

@@ -12,20 +12,25 @@ from quantkit.runtime.config import EngineConfig
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (in-process servers and tests)
-    served_model_name: str | None = None  # the `model` clients must send; None: the MODEL argument as given
+    served_model_name: str | None = None  # the `model` clients must send; None: MODEL's basename (never a path)
     api_key: str | None = None  # bearer token required on every route but /health
     max_queue: int = 256  # requests allowed to wait beyond the running batch; more get 429
     max_num_seqs: int = EngineConfig.max_num_seqs
     max_model_len: int | None = None
     kv_cache_blocks: int | None = None
     drain_timeout: float = 30.0  # seconds running requests get to finish after SIGTERM
+    # A bigger request body gets 413 before it is read. 4 MiB holds a prompt filling a 128k-token context, sent as
+    # token ids (~7 bytes each) or as \uXXXX-escaped text (~6 bytes a character), and bounds one request's memory.
+    max_body_bytes: int = 4 * 1024 * 1024
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
+        if not _is_int(self.port) or not 0 <= self.port < 65536:
             raise QuantkitError(f"port={self.port!r} is invalid; use an integer in [0, 65535]")
-        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+        if not _is_int(self.max_queue) or self.max_queue < 0:
             raise QuantkitError(f"max_queue={self.max_queue!r} is invalid; use an integer >= 0")
+        if not _is_int(self.max_body_bytes) or self.max_body_bytes < 1:
+            raise QuantkitError(f"max_body_bytes={self.max_body_bytes!r} is invalid; use an integer >= 1")
         if not self.drain_timeout >= 0:
             raise QuantkitError(f"drain_timeout={self.drain_timeout!r} is invalid; use seconds >= 0")
         if self.api_key is not None and not self.api_key:
@@ -39,3 +44,7 @@ class ServeConfig:
             max_num_batched_tokens=max(4096, self.max_model_len or 0),
             num_kv_blocks=self.kv_cache_blocks,
         )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.sampling_params import SamplingParams
@@ -27,11 +28,61 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        message = scrub_paths(self.message)
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error response (documented in the OpenAPI schema)."""
+
+    error: ErrorDetail
+
+
+# An absolute POSIX path of two or more parts (but not a route such as /v1/completions): never shown to clients.
+_PATH = re.compile(r"(?<![\w.:/])/(?!v1/)[\w.+@~-]+(?:/[\w.+@~-]*)+")
+
+
+def scrub_paths(message: str) -> str:
+    """``message`` with every local filesystem path replaced by ``<path>`` (error bodies reach any client)."""
+    return _PATH.sub("<path>", message)
+
+
+def check_unicode(data: Any) -> None:
+    """APIError 400 for a string anywhere in a decoded JSON body that is not valid Unicode: a lone UTF-16
+    surrogate such as ``"\\ud800"`` decodes to a str that no tokenizer or UTF-8 encoder accepts."""
+    todo: list[tuple[str, Any]] = [("", data)]  # iterative: a deeply nested body cannot exhaust the stack
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise APIError(
+                    400, f"{where or 'body'}: invalid Unicode (a lone UTF-16 surrogate at character {exc.start}); "
+                    "send valid UTF-8 text", param=where.split(".", 1)[0] or None, code="invalid_unicode",
+                ) from None  # fmt: skip
+        elif isinstance(value, dict):
+            todo += [(where, key) for key in value]
+            todo += [(f"{where}.{key}" if where else str(key), item) for key, item in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{where}.{i}", item) for i, item in enumerate(value)]
+
+
+# Strict scalars: JSON true is not an int or a float, "yes" is not a bool, "1" is not a number.
+StrictInt = Annotated[int, Field(strict=True)]
+StrictFloat = Annotated[float, Field(strict=True)]
+StrictBool = Annotated[bool, Field(strict=True)]
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class BaseRequest(BaseModel):
@@ -40,21 +91,27 @@ class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    seed: int | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[StrictFloat, Field(ge=0)] = 1.0
+    top_p: Annotated[StrictFloat, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=-1, description="-1 (disabled) or an integer >= 1")] = -1
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**64)] | None = None
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: Annotated[StrictInt, Field(ge=1, description="only 1 is supported")] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # extension (as in vLLM): generate max_tokens tokens
+    ignore_eos: StrictBool = False  # extension (as in vLLM): generate max_tokens tokens
     # Accepted when they ask for nothing the runtime would have to do:
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logprobs: bool | int | None = None
+    presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, description="only 0 is supported")] = 0.0
+    frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, description="only 0 is supported")] = 0.0
+    logprobs: StrictBool | StrictInt | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        check_unicode(data)
+        return data
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -87,9 +144,9 @@ class BaseRequest(BaseModel):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    echo: StrictBool = False
+    best_of: StrictInt | None = None
     suffix: str | None = None
 
     def single_prompt(self) -> str | list[int]:
@@ -126,7 +183,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]

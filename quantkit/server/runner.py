@@ -17,6 +17,9 @@ from fastapi import FastAPI
 
 from quantkit.server.app import ServerState, create_app
 from quantkit.server.config import ServeConfig
+from quantkit.server.protocol import APIError
+
+_FLUSH_S = 2.0  # after the drain timeout: time the ended requests get to send their error responses
 
 
 def serve(model: str | Path, config: ServeConfig) -> None:
@@ -72,10 +75,25 @@ class _DrainingServer(uvicorn.Server):
         threading.Thread(target=self._drain, name="quantkit-drain", daemon=True).start()
 
     def _drain(self) -> None:
-        deadline = time.monotonic() + self.drain_timeout
-        while self.state.engine.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
+        drain(self.state, self.drain_timeout)
         self.should_exit = True
+
+
+def drain(state: ServerState, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the requests in flight to finish; then end the rest with an error
+    (non-streaming: 503 with an error object; streaming: an error event, then ``data: [DONE]``) and wait a moment
+    for those answers to go out. Called from a thread of its own while the server runs."""
+    if not _wait_idle(state, timeout):
+        message = f"the server is shutting down; the request was stopped after the {timeout:g} s drain timeout"
+        state.engine.close(APIError(503, message, "server_error", code="shutting_down"))
+        _wait_idle(state, _FLUSH_S)
+
+
+def _wait_idle(state: ServerState, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while state.engine.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not state.engine.num_in_flight
 
 
 class ServerThread:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from cli_runner import run_cli
 from conftest import REPO, save_tiny_model
 
 from quantkit.server import ServeConfig, ServerThread, create_app
+from quantkit.server.runner import drain
 
 openai = pytest.importorskip("openai")
 
@@ -161,6 +163,12 @@ BAD = [
     ({"model": MODEL, "prompt": [5, 99999]}, "prompt"),
     ({"model": MODEL, "prompt": "the " * 2100}, "prompt"),
     ({"model": MODEL}, "prompt"),
+    # strict types: a bool is not an int or a number, a string is not a bool
+    ({"model": MODEL, "prompt": "the", "max_tokens": True}, "max_tokens"),
+    ({"model": MODEL, "prompt": "the", "temperature": True}, "temperature"),
+    ({"model": MODEL, "prompt": "the", "stream": "yes"}, "stream"),
+    ({"model": MODEL, "prompt": "the", "ignore_eos": 1}, "ignore_eos"),
+    ({"model": MODEL, "prompt": "the", "top_k": "5"}, "top_k"),
 ]
 
 
@@ -304,3 +312,135 @@ def test_serve_cli_refuses_a_bad_model(tmp_path, capsys):
     assert code == 2 and "not found" in err
     code, _, err = run_cli(["serve", str(tmp_path), "--max-queue", "-1"], capsys)
     assert code == 2 and "max_queue" in err
+    code, _, err = run_cli(["serve", str(tmp_path), "--max-body-bytes", "0"], capsys)
+    assert code == 2 and "max_body_bytes" in err
+
+
+# ----------------------------------------------------------------- hostile input
+CHAR_LIMIT = 32 * 2048  # CHARS_PER_TOKEN_LIMIT x max_model_len of the test model
+
+
+@pytest.fixture()
+def small_body_limit(srv):
+    srv.state.max_body_bytes = 1000
+    yield
+    srv.state.max_body_bytes = ServeConfig.max_body_bytes
+
+
+def test_body_over_the_limit_gets_413_before_it_is_parsed(client, small_body_limit):
+    big = json.dumps({"model": MODEL, "prompt": "the " * 300})
+    bad_json = b"{" * 2000  # malformed, but too big first: never parsed
+    chunked = iter([b'{"model": "tiny", "prompt": "', b"the " * 300, b'"}'])  # no Content-Length
+    for content in (big, bad_json, chunked):
+        resp = client.post("/v1/completions", content=content, headers={"content-type": "application/json"})
+        assert resp.status_code == 413, resp.text
+        error = resp.json()["error"]
+        assert error["code"] == "request_too_large" and "1000 bytes" in error["message"]
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "the", "max_tokens": 2}).status_code == 200
+    assert 'route="/v1/completions",code="413"} 3' in client.get("/metrics").text
+
+
+def test_prompt_over_the_character_limit_gets_400_untokenized(client):
+    prompt = "a" * (CHAR_LIMIT + 1)  # one word: would tokenize to one token and fit
+    resp = client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["param"] == "prompt" and f"at most {CHAR_LIMIT}" in error["message"]
+    messages = [{"role": "user", "content": "a" * (CHAR_LIMIT // 2)}] * 2
+    resp = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+
+
+def test_prompts_are_tokenized_off_the_engine_thread(srv, client, monkeypatch):
+    engine = srv.state.engine.engine
+    seen: list[tuple[str, type]] = []
+    encode = engine.encode
+
+    def spy(prompt):
+        seen.append((threading.current_thread().name, type(prompt)))
+        return encode(prompt)
+
+    monkeypatch.setattr(engine, "encode", spy)
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "the a", "max_tokens": 1}).status_code == 200
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "the"}], "max_tokens": 1}
+    assert client.post("/v1/chat/completions", json=chat).status_code == 200
+    assert len(seen) == 2 and all(kind is list for _, kind in seen), seen  # the engine only checks token ids
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b'{"model": "tiny", "prompt": "abc\\ud800def"}', "prompt"),
+        (b'{"model": "tiny", "prompt": ["abc\\udfffdef"]}', "prompt"),
+        (b'{"model": "tiny\\ud800", "prompt": "the"}', "model"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "abc\\ud800def"}]}', "messages"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}',
+         "messages"),
+    ],
+)  # fmt: skip
+def test_lone_surrogates_get_400(client, body, param):
+    route = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+    resp = client.post(route, content=body, headers={"content-type": "application/json"})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "invalid_unicode" and error["param"] == param and "surrogate" in error["message"]
+
+
+def test_api_key_scheme_is_case_insensitive_and_keys_may_be_non_ascii(model_dir):
+    key = "clé-ключ-🔑"
+    with ServerThread(create_app(model_dir, _config(api_key=key))) as srv:
+        for auth in (f"Bearer {key}", f"bearer {key}", f"BEARER  {key}"):
+            resp = httpx.get(f"{srv.url}/v1/models", headers={"Authorization": auth.encode()})
+            assert resp.status_code == 200, auth
+        for auth in ("Bearer clé", f"Basic {key}", key, "bearer"):
+            assert httpx.get(f"{srv.url}/v1/models", headers={"Authorization": auth.encode()}).status_code == 401
+
+
+def test_no_local_path_reaches_a_client(model_dir, tmp_path):
+    bare = tmp_path / "bare-model"  # no tokenizer: the engine's refusal of stop strings names its directory
+    shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
+    with ServerThread(create_app(bare, ServeConfig(port=0, kv_cache_blocks=64))) as srv:
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["bare-model"]
+        bodies = [
+            {"model": str(bare), "prompt": [5, 6]},
+            {"model": "bare-model", "prompt": [5, 6], "stop": ["x"]},
+            {"model": "bare-model", "prompt": "the"},
+        ]
+        for body in bodies:
+            resp = httpx.post(f"{srv.url}/v1/completions", json=body)
+            assert resp.status_code == 400, resp.text
+            assert str(tmp_path) not in resp.text and str(bare) not in resp.text, resp.text
+
+
+def test_openapi_documents_400_and_value_ranges(client):
+    doc = client.get("/openapi.json").json()
+    for route in ("/v1/completions", "/v1/chat/completions"):
+        responses = doc["paths"][route]["post"]["responses"]
+        assert "400" in responses and "422" not in responses, responses
+        assert responses["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    fields = doc["components"]["schemas"]["CompletionRequest"]["properties"]
+    assert fields["temperature"]["minimum"] == 0
+    assert fields["top_p"]["exclusiveMinimum"] == 0 and fields["top_p"]["maximum"] == 1
+    assert fields["top_k"]["minimum"] == -1
+    assert any(t.get("minimum") == 1 for t in fields["max_tokens"]["anyOf"])
+    assert "HTTPValidationError" not in doc["components"]["schemas"]
+
+
+def test_requests_left_after_the_drain_timeout_end_with_error_objects(model_dir):
+    with ServerThread(create_app(model_dir, _config())) as srv:
+        body = {"model": MODEL, "prompt": "the a of", "max_tokens": LONG, "ignore_eos": True}
+        plain: list[httpx.Response] = []
+        waiting = threading.Thread(target=lambda: plain.append(httpx.post(f"{srv.url}/v1/completions", json=body)))
+        waiting.start()
+        with httpx.stream("POST", f"{srv.url}/v1/completions", json={**body, "stream": True}, timeout=60) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line)
+            assert _wait(lambda: srv.state.engine.num_in_flight == 2)
+            srv.state.draining = True
+            drain(srv.state, 0.1)
+            events = [first[6:], *_events(lines)]
+        waiting.join(30)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "shutting_down"
+        assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "shutting_down"
+        assert "drain timeout" in plain[0].json()["error"]["message"]
+        assert _wait(lambda: _idle(srv))

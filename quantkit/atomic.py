@@ -21,6 +21,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         tmp.replace(path)
+        _fsync_dir(path.parent)  # the rename itself survives a power loss
     finally:
         tmp.unlink(missing_ok=True)
 

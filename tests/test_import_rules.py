@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
-FOUNDATION = {"quantkit", "errors", "progress", "atomic"}  # the root (for __version__) and what imports nothing
+# the root (for __version__) and what imports nothing
+FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults"}
 
 # area -> the areas it may import, besides itself and the foundation
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "progress": set(),
     "atomic": set(),
+    "faults": set(),
     "schemas": set(),
     "format": set(),
     "model": {"format"},

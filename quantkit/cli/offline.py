@@ -216,6 +216,8 @@ def quantize(
     if not config.needs_calibration and calib is not None:
         err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
     result = quantize_model(model, config, output)
+    if result.already_complete:
+        out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
     table = Table(title=f"Quantized {model} -> {output}")
     for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
         table.add_column(column, justify="right")

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from quantkit.atomic import publish
 from quantkit.errors import QuantkitError
+from quantkit.faults import commit_point
 
 SAFETENSORS_METADATA = {"format": "pt"}
 SINGLE_FILE = "model.safetensors"
@@ -119,6 +120,7 @@ class ShardedWriter:
                     f"{src.name} would overwrite a checkpoint file; copy tokenizer/generation files only"
                 )
             shutil.copy2(src, self.tmp_dir / src.name)
+        commit_point("checkpoint-staged")
         self._move_into_place()
         self._done = True
         return self.final_dir

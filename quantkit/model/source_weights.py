@@ -5,6 +5,7 @@ Only the tensors asked for are read, so a model larger than RAM can be processed
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from pathlib import Path
@@ -84,14 +85,34 @@ class SourceWeights:
         raise QuantkitError(f"no floating-point weight found in {self.path}")
 
     def fingerprint(self) -> str:
-        """Identity of the weights: config plus every shard's safetensors header (names, dtypes, offsets) and size."""
+        """Identity of the weights: config.json plus a content hash of every shard (cached per file version)."""
         digest = hashlib.sha256((self.path / "config.json").read_bytes())
         for f in self.files:
-            with f.open("rb") as fh:
-                header_len = int.from_bytes(fh.read(8), "little")
-                digest.update(fh.read(header_len))
-            digest.update(str(f.stat().st_size).encode())
+            digest.update(shard_digest(f).encode())
         return digest.hexdigest()[:16]
+
+
+_HASH_CHUNK = 16 << 20
+
+
+def shard_digest(path: Path) -> str:
+    """sha256 of a file's contents, computed once per version of the file: cached under the cache directory by
+    path, size, modification time and inode, so an edit in place (new mtime) is hashed again."""
+    from quantkit.atomic import write_text
+    from quantkit.model.cache import cache_dir
+
+    stat = path.stat()
+    version = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    cached = cache_dir() / "hashes" / f"{hashlib.sha256(version.encode()).hexdigest()[:32]}.sha256"
+    if cached.is_file():
+        return cached.read_text().strip()
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    with contextlib.suppress(OSError):  # a read-only cache only costs hashing again next time
+        write_text(cached, digest.hexdigest() + "\n")
+    return digest.hexdigest()
 
 
 def build_skeleton(path: Path) -> nn.Module:

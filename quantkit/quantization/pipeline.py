@@ -7,6 +7,8 @@ block is saved to ``<output>.partial/`` and ``--resume`` continues after the las
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,17 +18,20 @@ import torch
 
 from quantkit.data.model_calibration import calibration_for_model
 from quantkit.errors import QuantkitError
+from quantkit.faults import commit_point
+from quantkit.format.files import RUN_LOG
 from quantkit.model.blocks import BlockRunner
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
 from quantkit.quantization.block_pass import BlockPass
-from quantkit.quantization.checkpoint_output import block_tensors, write_checkpoint
+from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
+from quantkit.quantization.leftovers import remove_leftovers
 from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
 from quantkit.quantization.methods import SolverConfig
 from quantkit.quantization.quantize_block import quantize_block
-from quantkit.quantization.records import LayerRecord
+from quantkit.quantization.records import LayerRecord, record_from_dict
 from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.workdir import WorkDir, partial_dir
 
@@ -41,6 +46,7 @@ class QuantizeResult:
     blocks: int
     resumed_from: int
     records: list[LayerRecord] = field(default_factory=list)
+    already_complete: bool = False  # --resume found this run's finished checkpoint: nothing was redone
 
 
 def quantize_model(
@@ -61,23 +67,52 @@ def quantize_model(
     config.validate()
     start = time.perf_counter()
     output = Path(output)
+    remove_leftovers(output)
     with SourceWeights(_float_source(str(model), output, config)) as weights:
         job = _prepare(str(model), config, output, weights)
-        work = WorkDir.open(partial_dir(output), job.fingerprints(), resume=config.resume)
+        fingerprints = job.fingerprints()
+        if output.exists() and read_run_fingerprints(output) == fingerprints and config.resume:
+            _retire(partial_dir(output))  # a run killed while cleaning up after its checkpoint was written
+            return _result(job, start, job.num_layers, _recorded_layers(output), already_complete=True)
+        if output.exists() and not config.force:
+            raise _output_exists(output)
+        work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
         resumed_from = work.finished
         _run_blocks(job, work, on_block_done)
         write_checkpoint(job, work)
-    work.remove()
+        commit_point("checkpoint-written")
+    shutil.rmtree(work.retire())
+    return _result(job, start, resumed_from, work.layer_records)
+
+
+def _result(
+    job: QuantizeJob, start: float, resumed_from: int, records: list[LayerRecord], already_complete: bool = False
+) -> QuantizeResult:
     return QuantizeResult(
-        output=output,
-        method=config.method,
+        output=job.output,
+        method=job.config.method,
         seconds=time.perf_counter() - start,
         peak_rss_mb=peak_rss_mb(),
-        checkpoint_bytes=sum(f.stat().st_size for f in output.glob("*.safetensors")),
+        checkpoint_bytes=sum(f.stat().st_size for f in job.output.glob("*.safetensors")),
         blocks=job.num_layers,
         resumed_from=resumed_from,
-        records=work.layer_records,
+        records=records,
+        already_complete=already_complete,
     )
+
+
+def _retire(path: Path) -> None:
+    if path.exists():
+        shutil.rmtree(WorkDir(path, {}).retire())
+
+
+def _recorded_layers(output: Path) -> list[LayerRecord]:
+    log = json.loads((output / RUN_LOG).read_text())
+    return [r for r in map(record_from_dict, log.get("layers", [])) if isinstance(r, LayerRecord)]
+
+
+def _output_exists(output: Path) -> QuantkitError:
+    return QuantkitError(f"output directory '{output}' exists; pass --force to replace it once the new one is complete")
 
 
 def _float_source(model: str, output: Path, config: QuantizeConfig) -> Path:
@@ -87,10 +122,8 @@ def _float_source(model: str, output: Path, config: QuantizeConfig) -> Path:
     arch_for_dir(source)  # an unsupported architecture fails before any work
     if is_quantized_dir(source):
         raise QuantkitError(f"'{model}' is already quantized; pass the original float model")
-    if output.exists() and not config.force:
-        raise QuantkitError(
-            f"output directory '{output}' exists; pass --force to replace it once the new one is complete"
-        )
+    if output.exists() and not config.force and not config.resume:  # --resume: it may be this run's, finished
+        raise _output_exists(output)
     return source
 
 

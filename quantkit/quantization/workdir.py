@@ -1,11 +1,15 @@
 """The resumable state of an interrupted quantization: finished blocks, the next block's input, fingerprints.
 
-Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block count, per-layer records),
-``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and ``hidden.pt`` (the input of the
-next block, written by ``torch.save`` straight from the tensor's storage, with no in-memory copy). Every file
-is written under a temporary name and renamed; ``state.json`` is updated last, so a crash at any point leaves a
-consistent state. ``down_inputs.spill`` is the blocks' scratch file (see
-:class:`quantkit.quantization.spill.SpillFile`), overwritten by every block and deleted at the end of the run.
+Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block count, the name of the next block's
+input, per-layer records), ``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and
+``hidden_NNNN.pt`` (the input of block NNNN, written by ``torch.save`` straight from the tensor's storage).
+
+Every state change is one atomic, durable step: a file is written under a temporary name, flushed, renamed and
+its directory flushed; a block's tensors and its input for the next block get new names, and ``state.json``,
+renamed last, is what makes them current. A kill at any instruction leaves the old state or the new one, and
+files the current state does not name are removed when the run is resumed. ``down_inputs.spill`` is the blocks'
+scratch file (see :class:`quantkit.quantization.spill.SpillFile`). Removal after success first renames the
+directory away (one atomic step), so a crash while deleting leaves nothing a later run could mistake for work.
 """
 
 from __future__ import annotations
@@ -18,24 +22,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from quantkit.atomic import write_atomically, write_text
 from quantkit.errors import QuantkitError
+from quantkit.faults import commit_point
 from quantkit.quantization.records import LayerRecord, RunRecord, record_from_dict
 
 STATE = "state.json"
-HIDDEN = "hidden.pt"
+LEGACY_HIDDEN = "hidden.pt"  # the one input file of work directories written before per-block names
+SPILL = "down_inputs.spill"
 
 
 def partial_dir(output: Path) -> Path:
     return output.with_name(f"{output.name}.partial")
 
 
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+def retired_name(path: Path) -> Path:
+    """Where a work directory goes to be deleted (a name no run resumes from)."""
+    return path.with_name(f".{path.name}.retired-{os.getpid()}")
 
 
 class WorkDir:
@@ -44,21 +47,25 @@ class WorkDir:
         self.state = state
 
     @classmethod
-    def open(cls, path: Path, fingerprints: dict[str, str], *, resume: bool) -> WorkDir:
-        """Resume a matching interrupted run when ``resume``; otherwise start afresh."""
+    def open(cls, path: Path, fingerprints: dict[str, str], *, resume: bool, discard: bool) -> WorkDir:
+        """Resume a matching interrupted run when ``resume``; start afresh when there is none. An interrupted run
+        is discarded only when ``discard`` (``--force``); otherwise it is an error that says how to go on."""
         state_file = path / STATE
-        if resume and state_file.is_file():
+        if state_file.is_file():
             state = json.loads(state_file.read_text())
-            for key, value in fingerprints.items():
-                if state["fingerprints"].get(key) != value:
-                    raise QuantkitError(
-                        f"cannot resume from {path}: the {key} differs from the interrupted run's; "
-                        "rerun without --resume to start over"
-                    )
-            return cls(path, state)
-        shutil.rmtree(path, ignore_errors=True)
+            if resume:
+                _check_fingerprints(path, state["fingerprints"], fingerprints)
+                work = cls(path, state)
+                work._remove_unreferenced()
+                return work
+            if not discard:
+                raise QuantkitError(
+                    f"{path} holds an interrupted run ({state['finished']} blocks done); pass --resume to continue "
+                    "it, or --force to discard it and start over"
+                )
+        shutil.rmtree(path, ignore_errors=True)  # discarded, or never got a state (killed while being created)
         path.mkdir(parents=True)
-        work = cls(path, {"fingerprints": fingerprints, "finished": 0, "records": []})
+        work = cls(path, {"fingerprints": fingerprints, "finished": 0, "hidden": None, "records": []})
         work._write_state()
         return work
 
@@ -77,7 +84,7 @@ class WorkDir:
 
     @property
     def spill_file(self) -> Path:
-        return self.path / "down_inputs.spill"
+        return self.path / SPILL
 
     def block_file(self, index: int) -> Path:
         return self.path / f"block_{index:04d}.safetensors"
@@ -85,21 +92,65 @@ class WorkDir:
     def save_block(
         self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor | None, records: list[RunRecord]
     ) -> None:
-        """Save a finished block and (unless the run needs no activations) the next block's input."""
+        """Save a finished block and (unless the run needs no activations) the next block's input; the state that
+        names them is written last."""
         assert index == self.finished, f"block {index} saved out of order (expected {self.finished})"
         contiguous = {k: v.contiguous() for k, v in tensors.items()}
-        _atomic(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
+        write_atomically(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
+        commit_point("block-written")
+        previous = self._hidden_path()
+        name = None
         if hidden is not None:
-            _atomic(self.path / HIDDEN, lambda p: torch.save(hidden.contiguous(), p))
+            name = f"hidden_{index + 1:04d}.pt"
+            write_atomically(self.path / name, lambda p: torch.save(hidden.contiguous(), p))
+            commit_point("hidden-written")
         self.state["finished"] = index + 1
+        self.state["hidden"] = name
         self.state["records"].extend(r.to_dict() for r in records)
         self._write_state()
+        commit_point("state-written")
+        if previous is not None and previous.name != name:
+            previous.unlink(missing_ok=True)
 
     def load_hidden(self) -> torch.Tensor:
-        return torch.load(self.path / HIDDEN, weights_only=True)
+        path = self._hidden_path()
+        if path is None or not path.is_file():
+            raise QuantkitError(f"{self.path} has no input for block {self.finished}; rerun without --resume")
+        return torch.load(path, weights_only=True)
 
-    def remove(self) -> None:
-        shutil.rmtree(self.path, ignore_errors=True)
+    def retire(self) -> Path:
+        """Rename the directory away (one atomic step) so that nothing can resume from it; returns the new path."""
+        retired = retired_name(self.path)
+        self.path.rename(retired)
+        commit_point("work-dir-retired")
+        return retired
+
+    def _hidden_path(self) -> Path | None:
+        name = self.state.get("hidden", LEGACY_HIDDEN)
+        return self.path / name if name else None
+
+    def _remove_unreferenced(self) -> None:
+        """Files of steps that never committed: temporaries, blocks past ``finished``, superseded inputs."""
+        keep = {STATE, SPILL, *(self.block_file(i).name for i in range(self.finished))}
+        hidden = self._hidden_path()
+        if hidden is not None:
+            keep.add(hidden.name)
+        for file in self.path.iterdir():
+            if file.name not in keep:
+                file.unlink(missing_ok=True)
 
     def _write_state(self) -> None:
-        _atomic(self.path / STATE, lambda p: p.write_text(json.dumps(self.state, indent=1)))
+        write_text(self.path / STATE, json.dumps(self.state, indent=1))
+
+
+_FIELDS = {"scheme": "method, scheme or solver options", "model": "model weights"}  # fingerprint -> what it covers
+
+
+def _check_fingerprints(path: Path, recorded: dict[str, str], current: dict[str, str]) -> None:
+    """A mismatch names the field that differs; the solve settings are checked first (they say the most)."""
+    for key in sorted(current, key=lambda k: k != "scheme"):
+        if recorded.get(key) != current[key]:
+            raise QuantkitError(
+                f"cannot resume from {path}: the {_FIELDS.get(key, key)} differ from the interrupted run's; resume "
+                "with the same options and data, or pass --force (without --resume) to discard it and start over"
+            )

@@ -15,7 +15,6 @@ import pytest
 import torch
 from packaging.version import Version
 
-from quantkit.data.calibration import CalibrationConfig, build_calibration
 from quantkit.format.loader import load_quantized_model
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import QuantizeConfig
@@ -45,14 +44,8 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def calib(model_dir, tmp_path_factory) -> Path:
-    from conftest import REPO
-
-    text = tmp_path_factory.mktemp("matrix_calib") / "text.txt"
-    text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:20000])
-    out = text.with_name("calib.safetensors")
-    build_calibration(str(model_dir), CalibrationConfig(dataset=str(text), num_samples=4, seq_len=32), output=out)
-    return out
+def calib(tiny_calib_file) -> Path:
+    return tiny_calib_file  # the tiny models share one tokenizer
 
 
 def _rtn(bits: int, group: int, symmetric: bool) -> tuple[str, QuantScheme]:

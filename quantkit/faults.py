@@ -1,0 +1,33 @@
+"""Named commit points where the fault-injection tests kill the process, as ``kill -9`` would.
+
+``QUANTKIT_FAULT=<point>`` kills at the first time the point is reached, ``<point>@N`` at the N-th time (1-based).
+Unset (always, outside the tests), a commit point costs one environment lookup.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+POINTS = (
+    "block-written",  # a finished block's tensors renamed into the work directory
+    "hidden-written",  # the next block's input renamed into the work directory
+    "state-written",  # state.json naming both renamed into place
+    "checkpoint-staged",  # the checkpoint complete under its temporary name, not yet renamed
+    "checkpoint-written",  # the checkpoint directory renamed into place
+    "work-dir-retired",  # the work directory renamed away for removal
+)
+_reached: Counter[str] = Counter()
+
+
+def commit_point(name: str) -> None:
+    """Die here, without cleanup, when ``QUANTKIT_FAULT`` names this point (and, with ``@N``, its N-th pass)."""
+    wanted = os.environ.get("QUANTKIT_FAULT")
+    if not wanted:
+        return
+    point, _, nth = wanted.partition("@")
+    if point != name:
+        return
+    _reached[name] += 1
+    if _reached[name] == int(nth or 1):
+        os._exit(137)

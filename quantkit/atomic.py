@@ -3,6 +3,7 @@ data goes to a temporary name in the same directory, is flushed to disk, then re
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -10,14 +11,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+_NEARLY_FULL = 16 << 20  # bytes: a write that failed with less free space than this failed for want of space
+_NO_SPACE = ("no space left on device", "os error 28")
+
+
+def disk_full(exc: BaseException, path: Path) -> OSError | None:
+    """``exc`` as an ENOSPC OSError naming ``path`` when a full disk caused it: writers report it in their own
+    words (safetensors: "No space left on device (os error 28)"; torch.save: "unexpected pos")."""
+    if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+        return exc
+    if not isinstance(exc, (OSError, RuntimeError)) and type(exc).__name__ != "SafetensorError":
+        return None
+    said = any(words in str(exc).lower() for words in _NO_SPACE)
+    try:
+        nearly_full = shutil.disk_usage(Path(path).parent).free < _NEARLY_FULL
+    except OSError:
+        nearly_full = False
+    return OSError(errno.ENOSPC, "No space left on device", str(path)) if said or nearly_full else None
+
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it to ``path``."""
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, fsync it, then rename it to ``path``; a full disk,
+    however the writer reports it, raises an ENOSPC OSError naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as exc:
+            full = disk_full(exc, path)
+            if full is None or full is exc:
+                raise
+            raise full from exc
         with open(tmp, "rb") as written:
             os.fsync(written.fileno())
         tmp.replace(path)

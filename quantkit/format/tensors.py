@@ -70,6 +70,30 @@ def linear_tensors(prefix: str, qw: QuantizedWeight, scale_dtype: torch.dtype) -
     return out
 
 
+DENSE_BITS = 16  # an unquantized (fp16/bf16) weight
+_WORD_BITS = 32
+_INDEX_BITS = 32  # g_idx and zero-point words are int32
+
+
+def storage_bits(scheme: QuantScheme | None, n_out: int, k_in: int, scale_bits: int = 16) -> int:
+    """Exact bits of one Linear's stored weight tensors ([n_out, k_in] weight), as inspect_checkpoint counts.
+
+    packed int32 [N, ceil(K*b/32)] + scales [N, G] x ``scale_bits`` + (asym) zero points int32
+    [ceil(N*b/32), G] + (act-order without static groups) g_idx int32 [K]. ``None`` (fp16): 16 bits a weight.
+    """
+    if n_out <= 0 or k_in <= 0:
+        raise QuantkitError(f"a Linear weight must have positive dimensions, got [{n_out}, {k_in}]")
+    if scheme is None:
+        return DENSE_BITS * n_out * k_in
+    groups = scheme.num_groups(k_in)
+    bits = n_out * packed_words(k_in, scheme.bits) * _WORD_BITS + n_out * groups * scale_bits
+    if not scheme.symmetric:
+        bits += packed_words(n_out, scheme.bits) * _INDEX_BITS * groups
+    if records_g_idx(scheme):
+        bits += k_in * _INDEX_BITS
+    return bits
+
+
 def _get(tensors: Mapping[str, torch.Tensor], key: str) -> torch.Tensor:
     if key not in tensors:
         raise QuantkitError(f"checkpoint tensor {key!r} is missing; the checkpoint is incomplete, re-export it")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from quantkit.atomic import publish
+from quantkit.atomic import disk_full, publish
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
 
@@ -92,7 +92,14 @@ class ShardedWriter:
         if not self._pending:
             return
         index = len(self._shards)
-        save_file(self._pending, str(self.tmp_dir / f"shard-{index:05d}.tmp"), metadata=SAFETENSORS_METADATA)
+        shard = self.tmp_dir / f"shard-{index:05d}.tmp"
+        try:
+            save_file(self._pending, str(shard), metadata=SAFETENSORS_METADATA)
+        except Exception as exc:
+            full = disk_full(exc, self.final_dir)
+            if full is None or full is exc:
+                raise
+            raise full from exc
         self._shards.append(list(self._pending))
         self._pending, self._pending_bytes = {}, 0
 

@@ -15,20 +15,16 @@ import re
 from collections.abc import Iterable
 
 from quantkit.errors import QuantkitError
-from quantkit.format.pack import packed_words
 from quantkit.format.scheme import SUPPORTED_BITS, QuantScheme
-from quantkit.format.tensors import records_g_idx
+from quantkit.format.tensors import storage_bits
 
 FP16 = "fp16"
-DENSE_BITS = 16  # an unquantized (fp16/bf16) weight
 GROUP_SIZES = (32, 64, 128)
 DEFAULT_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", FP16)  # what sensitivity measures
 STANDARD_CANDIDATES = ("int4-g128", "int4-g64", "int4-g32", "int8", "int8-g128", "int3-g64", "int4-g64-asym", FP16)
 SYNTAX = "int<bits>[-g<group>][-asym] (bits 2, 3, 4, 8; group 32, 64, 128; no -g: per-channel) or fp16"
 
 _NAME = re.compile(r"int(\d+)(?:-g(\d+))?(-asym)?")
-_WORD_BITS = 32
-_INDEX_BITS = 32  # g_idx and zero-point words are int32
 
 
 def all_candidate_names() -> list[str]:
@@ -64,25 +60,6 @@ def candidate_name(scheme: QuantScheme | None) -> str:
         )
     group = "" if scheme.per_channel else f"-g{scheme.group_size}"
     return f"int{scheme.bits}{group}{'' if scheme.symmetric else '-asym'}"
-
-
-def storage_bits(scheme: QuantScheme | None, n_out: int, k_in: int, scale_bits: int = 16) -> int:
-    """Exact bits of one Linear's stored weight tensors ([n_out, k_in] weight), as inspect_checkpoint counts.
-
-    packed int32 [N, ceil(K*b/32)] + scales [N, G] x ``scale_bits`` + (asym) zero points int32
-    [ceil(N*b/32), G] + (act-order without static groups) g_idx int32 [K]. ``None`` (fp16): 16 bits a weight.
-    """
-    if n_out <= 0 or k_in <= 0:
-        raise QuantkitError(f"a Linear weight must have positive dimensions, got [{n_out}, {k_in}]")
-    if scheme is None:
-        return DENSE_BITS * n_out * k_in
-    groups = scheme.num_groups(k_in)
-    bits = n_out * packed_words(k_in, scheme.bits) * _WORD_BITS + n_out * groups * scale_bits
-    if not scheme.symmetric:
-        bits += packed_words(n_out, scheme.bits) * _INDEX_BITS * groups
-    if records_g_idx(scheme):
-        bits += k_in * _INDEX_BITS
-    return bits
 
 
 def unit_storage_bits(scheme: QuantScheme | None, shapes: Iterable[tuple[int, int]], scale_bits: int = 16) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -71,6 +72,13 @@ class SourceWeights:
         with safe_open(str(self._where[name]), framework="pt") as handle:
             return tuple(handle.get_slice(name).get_shape())
 
+    def stored_bytes(self, name: str) -> int:
+        """A tensor's size on disk, from its shard's header."""
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            piece = handle.get_slice(name)
+            shape, dtype = piece.get_shape(), piece.get_dtype()
+        return math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+
     def in_features(self, linears: list[str]) -> dict[str, int]:
         """Each Linear's in-features (``<name>.weight`` is [out, in])."""
         return {name: int(self.shape(f"{name}.weight")[1]) for name in linears}
@@ -93,6 +101,7 @@ class SourceWeights:
 
 
 _HASH_CHUNK = 16 << 20
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 
 
 def shard_digest(path: Path) -> str:

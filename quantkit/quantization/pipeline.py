@@ -26,6 +26,7 @@ from quantkit.quantization.block_loop import embed_inputs, walk_blocks
 from quantkit.quantization.block_pass import BlockPass
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.disk_space import check_free_space
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
 from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
@@ -76,6 +77,7 @@ def quantize_model(
             return _result(job, start, job.num_layers, _recorded_layers(output), already_complete=True)
         if output.exists() and not config.force:
             raise _output_exists(output)
+        check_free_space(job)
         work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
         resumed_from = work.finished
         _run_blocks(job, work, on_block_done)

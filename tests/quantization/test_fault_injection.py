@@ -126,3 +126,19 @@ def test_weights_edited_in_place_are_not_resumed_over(tmp_path, calib_file, caps
     assert weights.stat().st_size == size
     resumed = _quantize(model, calib_file, out, "--resume")
     assert resumed.returncode == 2 and "the model weights differ from the interrupted run's" in resumed.stderr
+
+
+def test_too_little_free_space_fails_before_any_work_with_the_numbers(
+    tiny_model_dir, calib_file, tmp_path, capsys, monkeypatch
+):
+    import shutil as shutil_module
+
+    from quantkit.quantization import disk_space
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(disk_space.shutil, "disk_usage", lambda _: usage._replace(free=1000))
+    out = tmp_path / "out"
+    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(calib_file), "--group-size", "32"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "has 0 MB free and this run needs about" in err and "checkpoint ~" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

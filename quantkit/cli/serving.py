@@ -40,6 +40,9 @@ def serve(
     max_body_bytes: Annotated[
         int, typer.Option(help="Largest request body in bytes; a bigger one gets 413.")
     ] = ServeConfig.max_body_bytes,
+    body_timeout: Annotated[
+        float, typer.Option(help="Seconds a client has to send its whole request body; a slower one gets 408.")
+    ] = ServeConfig.body_timeout,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
@@ -56,6 +59,7 @@ def serve(
         kv_cache_blocks=kv_cache_blocks,
         drain_timeout=drain_timeout,
         max_body_bytes=max_body_bytes,
+        body_timeout=body_timeout,
         log_level=log_level,
     )
     run_server(model, config)

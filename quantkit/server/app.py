@@ -53,6 +53,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {**_ERROR, "description": "Bad request: malformed JSON, a wrong type, a value out of range, invalid "
           "Unicode, an unknown model, or a prompt that does not fit the context."},
     401: {**_ERROR, "description": "Missing or wrong API key."},
+    408: {**_ERROR, "description": "The request body did not arrive within the server's --body-timeout."},
     413: {**_ERROR, "description": "The request body is larger than the server's --max-body-bytes."},
     429: {**_ERROR, "description": "The server queue is full; retry later."},
     503: {**_ERROR, "description": "The server is shutting down."},
@@ -66,6 +67,7 @@ class ServerState:
     model_name: str
     api_key: str | None
     max_body_bytes: int = ServeConfig.max_body_bytes
+    body_timeout: float = ServeConfig.body_timeout
     draining: bool = False  # set on SIGTERM: new requests get 503 while running ones finish
 
 
@@ -79,7 +81,12 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
     metrics = Metrics()
     name = config.served_model_name or default_name
     state = ServerState(
-        AsyncEngine(engine, config.max_queue, metrics), metrics, name, config.api_key, config.max_body_bytes
+        AsyncEngine(engine, config.max_queue, metrics),
+        metrics,
+        name,
+        config.api_key,
+        config.max_body_bytes,
+        config.body_timeout,
     )
     tokenizer = _Tokenizer(engine.tokenizer)
     max_chars = CHARS_PER_TOKEN_LIMIT * engine.max_model_len
@@ -340,7 +347,7 @@ class _Gate:
         try:
             error = self._refuse(scope, path)
             if error is None and scope.get("method") in ("POST", "PUT", "PATCH"):
-                body = await _read_body(scope, receive, self.state.max_body_bytes)
+                body = await _read_body(scope, receive, self.state.max_body_bytes, self.state.body_timeout)
                 if isinstance(body, APIError):
                     error = body
                 else:
@@ -365,9 +372,10 @@ class _Gate:
         return None
 
 
-async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | APIError:
+async def _read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes | APIError:
     """The whole request body, or a 413 error as soon as it is known to exceed ``limit`` bytes: from its
-    Content-Length before anything is read, else once the bytes read pass it (nothing is parsed before)."""
+    Content-Length before anything is read, else once the bytes read pass it (nothing is parsed before); a 408
+    error when the whole body has not arrived within ``timeout`` seconds (a slow client holds no connection)."""
     too_big = APIError(
         413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
         param=None, code="request_too_large",
@@ -377,8 +385,15 @@ async def _read_body(scope: Scope, receive: Receive, limit: int) -> bytes | APIE
         return too_big
     chunks: list[bytes] = []
     size = 0
+    deadline = asyncio.get_running_loop().time() + timeout
     while True:
-        message = await receive()
+        try:
+            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            return APIError(
+                408, f"the request body did not arrive within {timeout:g} s (the server's --body-timeout)",
+                param=None, code="request_timeout",
+            )  # fmt: skip
         if message["type"] != "http.request":  # the client left: the app sees an empty body and its disconnect
             break
         chunk = message.get("body", b"")

@@ -22,6 +22,7 @@ class ServeConfig:
     # A bigger request body gets 413 before it is read. 4 MiB holds a prompt filling a 128k-token context, sent as
     # token ids (~7 bytes each) or as \uXXXX-escaped text (~6 bytes a character), and bounds one request's memory.
     max_body_bytes: int = 4 * 1024 * 1024
+    body_timeout: float = 10.0  # seconds a client has to send its whole request body; slower ones get 408
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
@@ -31,6 +32,8 @@ class ServeConfig:
             raise QuantkitError(f"max_queue={self.max_queue!r} is invalid; use an integer >= 0")
         if not _is_int(self.max_body_bytes) or self.max_body_bytes < 1:
             raise QuantkitError(f"max_body_bytes={self.max_body_bytes!r} is invalid; use an integer >= 1")
+        if not self.body_timeout > 0:
+            raise QuantkitError(f"body_timeout={self.body_timeout!r} is invalid; use seconds > 0")
         if not self.drain_timeout >= 0:
             raise QuantkitError(f"drain_timeout={self.drain_timeout!r} is invalid; use seconds >= 0")
         if self.api_key is not None and not self.api_key:

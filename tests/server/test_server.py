@@ -444,3 +444,24 @@ def test_requests_left_after_the_drain_timeout_end_with_error_objects(model_dir)
         assert plain[0].status_code == 503 and plain[0].json()["error"]["code"] == "shutting_down"
         assert "drain timeout" in plain[0].json()["error"]["message"]
         assert _wait(lambda: _idle(srv))
+
+
+def test_a_slow_body_gets_408_without_holding_the_connection():
+    import asyncio
+    import time
+
+    from quantkit.server.app import _read_body
+
+    async def first_chunk_then_silence():
+        yield {"type": "http.request", "body": b'{"model": ', "more_body": True}
+        await asyncio.sleep(60)
+
+    chunks = first_chunk_then_silence()
+
+    async def receive():
+        return await chunks.__anext__()
+
+    start = time.perf_counter()
+    result = asyncio.run(_read_body({"headers": []}, receive, limit=1 << 20, timeout=0.2))
+    assert time.perf_counter() - start < 2
+    assert result.status == 408 and "--body-timeout" in result.message

@@ -29,7 +29,8 @@ FILES = ("model.safetensors", "config.json")
 def _command(args: argparse.Namespace, out: Path, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "quantkit", "quantize", args.model, "-o", str(out), "--method", args.method,
-        "--bits", str(args.bits), "--group-size", str(args.group_size), *extra,
+        "--bits", str(args.bits), "--group-size", str(args.group_size), "--num-samples", str(args.num_samples),
+        *extra,
     ]  # fmt: skip
 
 
@@ -54,6 +55,7 @@ def main() -> int:
     parser.add_argument("--method", default="gptq")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
+    parser.add_argument("--num-samples", type=int, default=128, help="calibration windows (fewer: shorter runs)")
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("fault-campaign"))
@@ -96,6 +98,7 @@ def main() -> int:
     summary = {
         "model": args.model,
         "method": args.method,
+        "num_samples": args.num_samples,
         "reference_seconds": round(wall, 1),
         "runs": len(trials),
         "kills": sum(t["killed"] for t in trials),
@@ -104,7 +107,8 @@ def main() -> int:
         "with_leftovers": sum(bool(t["leftovers"]) for t in trials),
         "trials": trials,
     }
-    table = Table(title=f"Fault campaign: {args.method} W{args.bits} g{args.group_size} on {args.model}")
+    title = f"Fault campaign: {args.method} W{args.bits} g{args.group_size}, {args.num_samples} windows, {args.model}"
+    table = Table(title=title)
     for column in ("runs", "kills", "resumed", "bit-identical", "with leftovers"):
         table.add_column(column, justify="right")
     table.add_row(*(str(summary[k]) for k in ("runs", "kills", "resumed", "bit_identical", "with_leftovers")))

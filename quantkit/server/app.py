@@ -98,7 +98,7 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
         state.engine.stop()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.openapi = _openapi_without_422(app.openapi)  # type: ignore[method-assign]
+    app.openapi = _openapi_document(app.openapi, name, engine.max_model_len)  # type: ignore[method-assign]
     app.state.server = state
     app.add_middleware(_Gate, state=state)
     app.add_exception_handler(APIError, _api_error)
@@ -116,7 +116,7 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "quantkit"}
         return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         stats = state.engine.stats
         gauges = {
@@ -131,7 +131,7 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
 
     @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        _check(req, state)
+        _check(req, state, engine.max_model_len)
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16)
         if isinstance(prompt, str) and tokenizer.tokenizer is not None:  # without one the engine says so
@@ -142,7 +142,7 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
 
     @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat(req: ChatRequest, request: Request) -> Any:
-        _check(req, state)
+        _check(req, state, engine.max_model_len)
         messages = req.plain_messages()
         limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         params = req.sampling_params(limit if limit is not None else 1)
@@ -207,27 +207,51 @@ def _model_name(model: str | Path) -> str:
     return Path(model).resolve().name if os.path.exists(model) else str(model)
 
 
-def _openapi_without_422(openapi: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    """Request errors are answered 400 with an error object (documented per route), never FastAPI's 422."""
+# One server-sent event: `data:` holds a JSON chunk, or [DONE] last.
+_SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
+
+
+def _openapi_document(
+    openapi: Callable[[], dict[str, Any]], model_name: str, max_model_len: int
+) -> Callable[[], dict[str, Any]]:
+    """FastAPI's schema with what this server really does: request errors are 400 with an error object
+    (documented per route), never FastAPI's 422; `model` must be the served name; no request may ask for more
+    tokens than the context holds; a 200 is JSON, or server-sent events with `stream: true`."""
 
     def schema() -> dict[str, Any]:
         doc = openapi()
         for operations in doc.get("paths", {}).values():
             for operation in operations.values():
                 operation.get("responses", {}).pop("422", None)
+        components = doc.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
-            doc.get("components", {}).get("schemas", {}).pop(name, None)
+            components.pop(name, None)
+        for name in ("CompletionRequest", "ChatRequest"):
+            properties = components.get(name, {}).get("properties", {})
+            if "model" in properties:
+                properties["model"]["enum"] = [model_name]
+            for limit in ("max_tokens", "max_completion_tokens"):
+                for option in properties.get(limit, {}).get("anyOf", []):
+                    if option.get("type") == "integer":
+                        option["maximum"] = max_model_len
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            ok = doc.get("paths", {}).get(route, {}).get("post", {}).get("responses", {}).get("200", {})
+            ok.setdefault("content", {})["text/event-stream"] = {"schema": _SSE_EVENT}
         return doc
 
     return schema
 
 
-def _check(req: BaseRequest, state: ServerState) -> None:
+def _check(req: BaseRequest, state: ServerState, max_model_len: int) -> None:
     if req.model != state.model_name:
         raise APIError(
             400, f"model {req.model!r} is not served here; use {state.model_name!r}", param="model",
             code="model_not_found",
         )  # fmt: skip
+    for limit in ("max_tokens", "max_completion_tokens"):
+        value = getattr(req, limit, None)
+        if value is not None and value > max_model_len:
+            raise APIError(400, f"{limit}={value} is more than the {max_model_len}-token context", param=limit)
     req.check_supported()
 
 
@@ -313,17 +337,23 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
 async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _union_tag(p)]
     if first.get("type") == "json_invalid":
         return JSONResponse(APIError(400, f"malformed JSON body: {first.get('msg', '')}").body(), 400)
     param = ".".join(loc) or None
     return JSONResponse(APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param=param).body(), 400)
 
 
+def _union_tag(part: str | int) -> bool:
+    """Pydantic's name for the member of a union that failed ("constrained-str", "list[int]"): not a field."""
+    return isinstance(part, str) and (not part.isidentifier() or part in {"str", "int", "float", "bool", "list"})
+
+
 async def _http_error(_: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return JSONResponse(APIError(exc.status_code, str(exc.detail), kind).body(), exc.status_code)
+    body = APIError(exc.status_code, str(exc.detail), kind).body()
+    return JSONResponse(body, exc.status_code, headers=exc.headers)  # a 405 keeps its Allow header
 
 
 class _Gate:

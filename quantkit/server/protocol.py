@@ -79,6 +79,7 @@ def check_unicode(data: Any) -> None:
 StrictInt = Annotated[int, Field(strict=True)]
 StrictFloat = Annotated[float, Field(strict=True)]
 StrictBool = Annotated[bool, Field(strict=True)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class StreamOptions(BaseModel):
@@ -144,7 +145,12 @@ class BaseRequest(BaseModel):
 
 
 class CompletionRequest(BaseRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: (
+        Annotated[str, Field(min_length=1)]
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
+    ) = Field(description="one prompt: text or token ids (a list holding one prompt is accepted)")
     echo: StrictBool = False
     best_of: StrictInt | None = None
     suffix: str | None = None
@@ -170,7 +176,7 @@ class ContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
     def text(self) -> str:

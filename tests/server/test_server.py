@@ -169,6 +169,8 @@ BAD = [
     ({"model": MODEL, "prompt": "the", "stream": "yes"}, "stream"),
     ({"model": MODEL, "prompt": "the", "ignore_eos": 1}, "ignore_eos"),
     ({"model": MODEL, "prompt": "the", "top_k": "5"}, "top_k"),
+    ({"model": MODEL, "prompt": "the", "max_tokens": 2049}, "max_tokens"),  # more than the 2048-token context
+    ({"model": MODEL, "prompt": ""}, "prompt"),
 ]
 
 
@@ -422,8 +424,19 @@ def test_openapi_documents_400_and_value_ranges(client):
     assert fields["temperature"]["minimum"] == 0
     assert fields["top_p"]["exclusiveMinimum"] == 0 and fields["top_p"]["maximum"] == 1
     assert fields["top_k"]["minimum"] == -1
-    assert any(t.get("minimum") == 1 for t in fields["max_tokens"]["anyOf"])
+    assert any(t.get("minimum") == 1 and t.get("maximum") == 2048 for t in fields["max_tokens"]["anyOf"])
+    assert fields["model"]["enum"] == [MODEL]
     assert "HTTPValidationError" not in doc["components"]["schemas"]
+    ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]
+    assert {"application/json", "text/event-stream"} <= set(ok)
+
+
+def test_wrong_method_gets_405_with_allow_and_unknown_role_400(client):
+    resp = client.request("TRACE", "/v1/completions")
+    assert resp.status_code == 405 and resp.headers["allow"] == "POST", resp.headers
+    messages = [{"role": "narrator", "content": "hi"}]
+    error = client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages}).json()["error"]
+    assert error["param"] == "messages.0.role", error
 
 
 def test_requests_left_after_the_drain_timeout_end_with_error_objects(model_dir):

@@ -41,6 +41,19 @@ def _digest(out: Path) -> str:
     return digest.hexdigest()
 
 
+def _first_difference(out: Path, reference: Path) -> str | None:
+    """The first tensor (in file order) whose bytes differ from the reference's, with its largest difference."""
+    from safetensors import safe_open
+
+    with safe_open(str(out / FILES[0]), "pt") as got, safe_open(str(reference / FILES[0]), "pt") as want:
+        for name in want.keys():  # noqa: SIM118 -- safe_open has keys(), not iteration
+            a, b = got.get_tensor(name), want.get_tensor(name)
+            if a.shape != b.shape or not a.equal(b):
+                diff = (a.double() - b.double()).abs().max().item() if a.shape == b.shape else float("nan")
+                return f"{name} (max |diff| {diff:.3g})"
+    return None
+
+
 def _run(command: list[str]) -> tuple[int, float]:
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -90,10 +103,13 @@ def main() -> int:
         code, _ = _run(_command(args, out, "--resume"))
         identical = code == 0 and _digest(out) == expected
         leftovers = sorted(p.name for p in trial_dir.iterdir() if p.name != "out")
+        differs = None if identical or code != 0 else _first_difference(out, reference)
         trials.append({"delay_s": round(delay, 1), "killed": killed, "resume_exit": code, "identical": identical,
-                       "leftovers": leftovers})  # fmt: skip
-        console.print(f"run {i}: killed at {delay:.1f} s, resume exit {code}, identical {identical}, {leftovers}")
-        shutil.rmtree(trial_dir)
+                       "leftovers": leftovers, "first_difference": differs})  # fmt: skip
+        console.print(f"run {i}: killed at {delay:.1f} s, resume exit {code}, identical {identical}, {leftovers}"
+                      + (f", first difference: {differs}" if differs else ""))  # fmt: skip
+        if identical:
+            shutil.rmtree(trial_dir)  # a failing trial is kept for inspection
 
     summary = {
         "model": args.model,

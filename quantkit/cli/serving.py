@@ -8,6 +8,12 @@ import typer
 from rich.table import Table
 
 from quantkit.cli.app import JsonOption, app, fail, out, write_json_option
+from quantkit.cli.engine_options import (
+    DraftModelOption,
+    KvCacheDtypeOption,
+    NumSpeculativeTokensOption,
+    SpeculativeOption,
+)
 from quantkit.server.config import ServeConfig
 
 
@@ -44,6 +50,10 @@ def serve(
         float, typer.Option(help="Seconds a client has to send its whole request body; a slower one gets 408.")
     ] = ServeConfig.body_timeout,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
+    kv_cache_dtype: KvCacheDtypeOption = ServeConfig.kv_cache_dtype,
+    speculative: SpeculativeOption = ServeConfig.speculative,
+    num_speculative_tokens: NumSpeculativeTokensOption = ServeConfig.num_speculative_tokens,
+    draft_model: DraftModelOption = ServeConfig.draft_model,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     from quantkit.server.runner import serve as run_server
@@ -61,6 +71,10 @@ def serve(
         max_body_bytes=max_body_bytes,
         body_timeout=body_timeout,
         log_level=log_level,
+        kv_cache_dtype=kv_cache_dtype,
+        speculative=speculative,
+        num_speculative_tokens=num_speculative_tokens,
+        draft_model=draft_model,
     )
     run_server(model, config)
 

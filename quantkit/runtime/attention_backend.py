@@ -10,6 +10,12 @@ Both write the step's new K/V rows into the cache first (``slot_mapping``), then
 The torch backend runs ``scaled_dot_product_attention`` (decode packs the query heads of a kv group as rows,
 so grouped-query attention needs no K/V repeat). The Triton backend uses the ``kv_cache_write`` and
 ``paged_attention`` kernels and the torch prefill.
+
+8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): with ``k_scale``/``v_scale`` (float16 ``[num_blocks,
+block_size, Hkv]``) the caches hold int8 / float8_e4m3fn values; every write quantizes (per token and kv head)
+and every read dequantizes. Prefill then always reads K/V back from the pages, the fresh rows included, so a
+token sees the same (quantized) keys and values whether its context was computed in one prefill, in chunks, from
+the prefix cache or by decoding. Without scales every path is exactly the unquantized one.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels.backend import triton_available
+from quantkit.runtime.kv_cache import gather_pages, write_rows
 
 
 @dataclass(slots=True)
@@ -41,17 +48,35 @@ class AttentionBackend(ABC):
     name = "base"
 
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
+        if k_scale is not None and v_scale is not None:  # 8-bit cache: quantize each (token, head) row
+            write_rows(k, k_cache, k_scale, meta.slot_mapping)
+            write_rows(v, v_cache, v_scale, meta.slot_mapping)
+            return
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
     @abstractmethod
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Decode attention (one query token per sequence) over the paged cache."""
+        """Decode attention (one query token per sequence) over the paged cache (dequantized with scales)."""
 
     def forward(
         self,
@@ -62,18 +87,34 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``."""
-        self.write_kv(k, v, k_cache, v_cache, meta)
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]`` (scales: an 8-bit cache)."""
+        if k_scale is None:
+            self.write_kv(k, v, k_cache, v_cache, meta)
+            if meta.is_prefill:
+                return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
+            return self.decode(q, k_cache, v_cache, meta, scale)
+        self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
         if meta.is_prefill:
-            return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
-        return self.decode(q, k_cache, v_cache, meta, scale)
+            return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
+        return self.decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
 
-def _gather(cache: torch.Tensor, table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one sequence's pages: ``[length, Hkv, D]``."""
+def _gather(
+    cache: torch.Tensor,
+    table: torch.Tensor,
+    length: int,
+    scales: torch.Tensor | None = None,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The first ``length`` tokens of one sequence's pages: ``[length, Hkv, D]`` (with ``scales``: dequantized
+    to ``dtype``; without, in the cache dtype)."""
     pages = table[: -(-length // cache.shape[1])]
-    return cache.index_select(0, pages).flatten(0, 1)[:length]
+    if scales is None:
+        return cache.index_select(0, pages).flatten(0, 1)[:length]
+    return gather_pages(cache, scales, pages, dtype or torch.float32).flatten(0, 1)[:length]
 
 
 def prefill_attention(
@@ -84,12 +125,24 @@ def prefill_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
+    """Causal attention of each sequence's new queries over its context. With ``k_scale``/``v_scale`` (an 8-bit
+    cache, already written) K/V are always read back from the pages and dequantized, the new rows included."""
     out = torch.empty_like(q)
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
         qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-        if ctx == n:  # nothing cached before this chunk: attend to the fresh rows
+        if k_scale is not None and v_scale is not None:  # 8-bit cache: what the pages hold
+            table = meta.block_tables[i]
+            ki, vi = _gather(k_cache, table, ctx, k_scale, q.dtype), _gather(v_cache, table, ctx, v_scale, q.dtype)
+            mask = None
+            if ctx != n:
+                q_pos = torch.arange(ctx - n, ctx, device=q.device)
+                mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # bottom-right causal
+        elif ctx == n:  # nothing cached before this chunk: attend to the fresh rows
             ki, vi, mask = k[start : start + n], v[start : start + n], None
         else:  # a cached prefix or an earlier chunk: read the whole context back from the pages
             ki, vi = _gather(k_cache, meta.block_tables[i], ctx), _gather(v_cache, meta.block_tables[i], ctx)
@@ -114,38 +167,102 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        bsz, hq, dim = q.shape
-        hkv = k_cache.shape[2]
-        pages = meta.block_tables.flatten()  # index_select is much faster than advanced indexing on CPU
+        return torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+
+def torch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention with torch ops (any device); with scales the gathered pages are dequantized."""
+    bsz, hq, dim = q.shape
+    hkv = k_cache.shape[2]
+    pages = meta.block_tables.flatten()  # index_select is much faster than advanced indexing on CPU
+    if k_scale is not None and v_scale is not None:
+        k = gather_pages(k_cache, k_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
+        v = gather_pages(v_cache, v_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
+    else:
         k = k_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = v_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
-        mask = meta.decode_mask
-        if mask is None:
-            mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
-            mask = mask[:, None, None, :]
-        qg = q.reshape(bsz, hkv, hq // hkv, dim)  # the query heads of a kv group act as rows
-        out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
-        return out.reshape(bsz, hq, dim)
+    mask = meta.decode_mask
+    if mask is None:
+        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
+        mask = mask[:, None, None, :]
+    qg = q.reshape(bsz, hkv, hq // hkv, dim)  # the query heads of a kv group act as rows
+    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    return out.reshape(bsz, hq, dim)
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def write_kv(
-        self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> None:
         from quantkit.runtime.kernels.kv_cache_write import kv_cache_write
 
-        kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        if k_scale is None:
+            kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        elif not _triton_handles(k_cache):
+            super().write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
+        else:
+            kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
 
     def decode(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from quantkit.runtime.kernels.paged_attention import paged_attention
 
-        return paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        if k_scale is None:
+            return paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+        if not _triton_handles(k_cache):
+            return torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return paged_attention(
+            q.contiguous(),
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.context_lens,
+            scale,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
+
+
+def _triton_handles(cache: torch.Tensor) -> bool:
+    """Triton converts float8_e4m3fn only on GPUs of compute capability >= 8.9 (and in the CPU interpreter);
+    elsewhere an fp8 cache falls back to the torch write and decode (same math)."""
+    if cache.dtype != torch.float8_e4m3fn or cache.device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(cache.device) >= (8, 9)
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:

@@ -135,6 +135,26 @@ class BlockManager:
             seq.block_table.append(self._take_free_block())
         self.cache_computed_blocks(seq)
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Append free blocks until the sequence has room for ``num_tokens`` tokens; False (and nothing taken)
+        when too few are free. For a draft model's mirror sequences, which grow by drafts before their tokens."""
+        need = self.blocks_needed(num_tokens) - len(seq.block_table)
+        if need > len(self._free):
+            return False
+        seq.block_table.extend(self._take_free_block() for _ in range(need))
+        return True
+
+    def trim(self, seq: Sequence) -> None:
+        """Free the tail blocks the sequence no longer needs (those that held rejected drafts). They hold no
+        computed token, so they never carry a hash."""
+        keep = seq.num_blocks(self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                block.reset()
+                self._free[block.block_id] = None
+
     def cache_computed_blocks(self, seq: Sequence) -> None:
         """Register every full block whose KV is computed (call after ``seq.num_computed_tokens`` advances)."""
         if not self.enable_prefix_caching:

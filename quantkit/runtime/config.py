@@ -9,6 +9,9 @@ from quantkit.errors import QuantkitError
 BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the compute dtype; int8/fp8: 8-bit values with scales
+SPECULATIVE_METHODS = ("ngram", "draft")  # prompt lookup, or a smaller draft model
+MAX_SPECULATIVE_TOKENS = 16
 
 
 @dataclass
@@ -25,6 +28,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False
     seed: int = 0  # seeds the engine's generator for requests without their own seed
+    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
+    speculative: str | None = None  # None (off), or one of SPECULATIVE_METHODS
+    num_speculative_tokens: int = 4  # K: tokens drafted per step, 1..MAX_SPECULATIVE_TOKENS
+    draft_model: str | None = None  # with speculative="draft": a smaller model with the same tokenizer
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -38,6 +45,25 @@ class EngineConfig:
             raise QuantkitError(f"dtype={self.dtype!r} is invalid; use one of {list(DTYPES)}")
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise QuantkitError("give num_kv_blocks or kv_cache_memory, not both")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            valid = list(KV_CACHE_DTYPES)
+            raise QuantkitError(f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid; use one of {valid}")
+        self._check_speculation()
+
+    def _check_speculation(self) -> None:
+        if self.speculative is not None and self.speculative not in SPECULATIVE_METHODS:
+            raise QuantkitError(
+                f"speculative={self.speculative!r} is invalid; use one of {list(SPECULATIVE_METHODS)} (or leave it off)"
+            )
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise QuantkitError(
+                f"num_speculative_tokens={k!r} is invalid; use an integer from 1 to {MAX_SPECULATIVE_TOKENS}"
+            )
+        if self.speculative == "draft" and not self.draft_model:
+            raise QuantkitError("speculative='draft' needs a draft model; pass draft_model (--draft-model)")
+        if self.draft_model and self.speculative != "draft":
+            raise QuantkitError("draft_model is used only with speculative='draft'; add --speculative draft")
 
     def resolved_max_model_len(self, model_max_positions: int) -> int:
         if self.max_model_len is None:

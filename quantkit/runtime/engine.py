@@ -31,8 +31,12 @@ from quantkit.runtime.model import ModelConfig, load_model, read_generation_eos
 from quantkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from quantkit.runtime.sampler import Sampler
 from quantkit.runtime.sampling_params import SamplingParams
-from quantkit.runtime.scheduler import Scheduler, SchedulerConfig
+from quantkit.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from quantkit.runtime.sequence import FinishReason, Sequence
+from quantkit.runtime.speculative.draft_model import Draft, DraftModel
+from quantkit.runtime.speculative.speculator import Speculator
+from quantkit.runtime.speculative.stats import SpeculationStats
+from quantkit.runtime.step_profile import StepProfile
 
 _log = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -92,8 +96,8 @@ class Engine:
             use_kernels=backend.name == "triton" and device.type == "cuda",
             max_positions=self.max_model_len,
         )
-        num_blocks = cfg.num_blocks(kv_bytes_per_block(self.model, cfg.block_size, dtype))
-        self.runner = ModelRunner(self.model, backend, num_blocks, cfg.block_size, dtype)
+        num_blocks = cfg.num_blocks(kv_bytes_per_block(self.model, cfg.block_size, dtype, cfg.kv_cache_dtype))
+        self.runner = ModelRunner(self.model, backend, num_blocks, cfg.block_size, dtype, cfg.kv_cache_dtype)
         self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         sched_cfg = SchedulerConfig(
             cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.enable_chunked_prefill
@@ -102,12 +106,40 @@ class Engine:
         self.sampler = Sampler(torch.Generator(device).manual_seed(cfg.seed))
         self.tokenizer = _try_tokenizer(self.path)
         self.device = device
+        self.speculator = self._speculator(cfg, backend, num_blocks, dtype, device)
+        self.profile = StepProfile()
         self._requests: dict[int, _Request] = {}  # by seq_id
         self._by_id: dict[str, _Request] = {}
         self._ids = itertools.count()
         self._idle_steps = 0
         self.num_preemptions = 0  # sequences sent back to waiting so far (metrics)
         self.stream_text = False  # decode text every step (streaming); else only at the end or for stop strings
+
+    def _speculator(
+        self, cfg: EngineConfig, backend: Any, num_blocks: int, dtype: torch.dtype, device: torch.device
+    ) -> Speculator | None:
+        if cfg.speculative is None:
+            return None
+        draft = None
+        if cfg.speculative == "draft":
+            assert cfg.draft_model is not None  # EngineConfig checks it
+            draft = DraftModel(
+                cfg.draft_model,
+                target_vocab_size=self.model.config.vocab_size,
+                target_tokenizer=self.tokenizer,
+                max_model_len=self.max_model_len,
+                backend=backend,
+                num_blocks=num_blocks,
+                block_size=cfg.block_size,
+                dtype=dtype,
+                device=device,
+            )
+        return Speculator(cfg.num_speculative_tokens, self.max_model_len, draft)
+
+    @property
+    def spec_stats(self) -> SpeculationStats:
+        """Speculative-decoding counters (all zero with speculation off)."""
+        return self.speculator.stats if self.speculator is not None else SpeculationStats()
 
     # ----------------------------------------------------------------- requests
     def add_request(
@@ -153,6 +185,8 @@ class Engine:
             return False
         self._requests.pop(req.seq.seq_id, None)
         self.scheduler.abort(req.seq.seq_id)
+        if self.speculator is not None:
+            self.speculator.forget(self.scheduler.live_seq_ids())
         return True
 
     def has_unfinished(self) -> bool:
@@ -161,59 +195,96 @@ class Engine:
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
         """Run one batch; returns an output for every request that got a token (or finished) in it."""
-        out = self.scheduler.schedule()
+        profile = self.profile
+        with profile.stage("schedule"):
+            out = self.scheduler.schedule()
         if out.is_empty:
             self._check_progress()
             return []
+        profile.steps += 1
         self._idle_steps = 0
         self.num_preemptions += len(out.preempted)
         try:
-            logits = self.runner.run(out)
-            tokens = self._sample(out.seqs, out.num_tokens, logits)
+            drafts = self._propose(out) if self.speculator is not None and not out.is_prefill else {}
+            with profile.stage("prepare"):
+                inputs = self.runner.prepare(out)
+            with profile.stage("forward"):
+                logits = self.runner.forward(out, inputs)
+            with profile.stage("sample"):
+                tokens = self._sample(out, logits, drafts)
         except Exception as exc:  # a failed batch fails its own requests, not the engine
             return self._fail(out.seqs, exc)
-        self.scheduler.postprocess(out.seqs, tokens)
-        return self._outputs(out.seqs, tokens)
+        with profile.stage("postprocess"):
+            sizes = [len(s) - s.num_draft_tokens for s in out.seqs]
+            self.scheduler.postprocess(out.seqs, tokens)
+            outputs = self._outputs(out.seqs, tokens, sizes)
+            if self.speculator is not None and any(o.finished for o in outputs):
+                self.speculator.forget(self.scheduler.live_seq_ids())
+            return outputs
+
+    def _propose(self, out: SchedulerOutput) -> dict[int, Draft]:
+        assert self.speculator is not None
+        with self.profile.stage("propose"):
+            generators = [self._requests[s.seq_id].generator for s in out.seqs]
+            drafts = self.speculator.propose(out.seqs, generators, self.scheduler.live_seq_ids())
+            self.scheduler.add_drafts(out, {seq_id: d.tokens for seq_id, d in drafts.items()})
+        return {s.seq_id: drafts[s.seq_id] for s in out.seqs if s.num_draft_tokens}
 
     def _check_progress(self) -> None:
         self._idle_steps += 1  # an empty step is normal right after every running sequence was preempted
         if self._idle_steps > 2 and self.has_unfinished():
             raise RuntimeError("the scheduler made no progress for 3 steps with requests waiting (a bug)")
 
-    def _sample(self, seqs: list[Sequence], num_tokens: list[int], logits: torch.Tensor) -> list[int]:
-        """Sample only sequences whose prefill is complete: a partial chunk must not draw from a generator."""
-        rows = [i for i, (s, n) in enumerate(zip(seqs, num_tokens, strict=True)) if s.num_computed_tokens + n == len(s)]
-        tokens = [-1] * len(seqs)
-        if rows:
-            sub = logits if len(rows) == len(seqs) else logits[rows]
-            sampled = self.sampler(
-                sub, [seqs[i].sampling_params for i in rows], [self._requests[seqs[i].seq_id].generator for i in rows]
-            )
-            for i, t in zip(rows, sampled, strict=True):
-                tokens[i] = t
+    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, drafts: dict[int, Draft]) -> list[list[int]]:
+        """Tokens to append per sequence: one sampled token; the verified drafts and one token after a
+        speculative pass; none for a partial prefill chunk (which must not draw from a generator)."""
+        seqs, tokens = out.seqs, [[] for _ in out.seqs]
+        first = list(itertools.accumulate([0, *out.num_tokens]))  # logits row of each sequence's first token
+        last_row = [first[i + 1] - 1 for i in range(len(seqs))] if not out.is_prefill else list(range(len(seqs)))
+        done = [s.num_computed_tokens + n == len(s) for s, n in zip(seqs, out.num_tokens, strict=True)]
+        plain = [i for i, s in enumerate(seqs) if done[i] and s.seq_id not in drafts]
+        if plain:
+            rows = [last_row[i] for i in plain]
+            sub = logits if len(rows) == logits.shape[0] else logits[rows]
+            gens = [self._requests[seqs[i].seq_id].generator for i in plain]
+            sampled = self.sampler(sub, [seqs[i].sampling_params for i in plain], gens)
+            for i, t in zip(plain, sampled, strict=True):
+                tokens[i] = [t]
+        assert self.speculator is not None or not drafts
+        for i, seq in enumerate(seqs):
+            if seq.seq_id in drafts:
+                generator = self.sampler.generator_for(self._requests[seq.seq_id].generator)
+                rows = logits[first[i] : first[i + 1]]
+                tokens[i] = self.speculator.verify(seq, drafts[seq.seq_id], rows, generator)  # type: ignore[union-attr]
         return tokens
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         _log.exception("a batch of %d requests failed; finishing them with an error", len(seqs))
         outputs = []
         for seq in seqs:
+            if seq.num_draft_tokens:  # unverified drafts are not output
+                del seq.token_ids[-seq.num_draft_tokens :]
+                seq.num_draft_tokens = 0
             self.scheduler.finish(seq, FinishReason.ERROR)  # frees its blocks and clears the in-flight step
             req = self._requests.pop(seq.seq_id)
             del self._by_id[req.request_id]
             req.error, req.finish_time = f"{type(exc).__name__}: {exc}", time.perf_counter()
             outputs.append(self._output(req))
+        if self.speculator is not None:
+            self.speculator.forget(self.scheduler.live_seq_ids())
         return outputs
 
-    def _outputs(self, seqs: list[Sequence], tokens: list[int]) -> list[RequestOutput]:
+    def _outputs(self, seqs: list[Sequence], tokens: list[list[int]], sizes: list[int]) -> list[RequestOutput]:
+        """``sizes``: each sequence's token count before this step's tokens were appended."""
         now = time.perf_counter()
         outputs = []
-        for seq, token in zip(seqs, tokens, strict=True):
+        for seq, new, size in zip(seqs, tokens, sizes, strict=True):
             req = self._requests.get(seq.seq_id)
-            if req is None or token < 0:
+            if req is None or not new:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            self._detokenize(req)
+            self._detokenize(req, size)
             if seq.is_finished:
                 req.finish_time = now
                 del self._requests[seq.seq_id]
@@ -221,18 +292,25 @@ class Engine:
             outputs.append(self._output(req))
         return outputs
 
-    def _detokenize(self, req: _Request) -> None:
+    def _detokenize(self, req: _Request, size_before: int) -> None:
+        """Decode the completion; with stop strings, token by token, so several tokens appended in one step
+        (accepted drafts) stop exactly where one-token steps would have, and the tokens after are dropped."""
         seq, detok = req.seq, req.detokenizer
         # without stop strings, text is needed only at the end, or every step when streaming
         if detok is None or (not detok.stop and not seq.is_finished and not self.stream_text):
             return
-        result = detok.update(seq.completion_token_ids, finished=seq.is_finished)
-        req.text = result.text
-        if result.stopped:
-            if seq.is_finished:
-                seq.finish_reason = FinishReason.STOP
-            else:
-                self.scheduler.finish(seq, FinishReason.STOP)
+        ends = range(size_before + 1, len(seq) + 1) if detok.stop else [len(seq)]
+        for end in ends:
+            last = end == len(seq)
+            result = detok.update(seq.token_ids[seq.num_prompt_tokens : end], finished=last and seq.is_finished)
+            req.text = result.text
+            if result.stopped:
+                del seq.token_ids[end:]  # tokens after the stop string's end were never to be generated
+                if seq.is_finished:
+                    seq.finish_reason = FinishReason.STOP
+                else:
+                    self.scheduler.finish(seq, FinishReason.STOP)
+                return
 
     def _output(self, req: _Request) -> RequestOutput:
         seq = req.seq

@@ -297,6 +297,8 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None  # set by the model runner
         self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the model runner
         self.v_cache: torch.Tensor | None = None
+        self.k_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] float16 with an 8-bit cache
+        self.v_scale: torch.Tensor | None = None
 
     def prepare(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -317,5 +319,6 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         assert self.backend is not None and self.k_cache is not None and self.v_cache is not None
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale)
+        scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale, **scales)
         return self.o_proj(out.reshape(t, q_size))

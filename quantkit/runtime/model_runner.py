@@ -11,30 +11,42 @@ from __future__ import annotations
 import torch
 
 from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
+from quantkit.runtime.kv_cache import KVCache, bytes_per_block
 from quantkit.runtime.layers import Attention
 from quantkit.runtime.model import CausalLM
 from quantkit.runtime.scheduler import SchedulerOutput
 from quantkit.runtime.sequence import Sequence
 
+ModelInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 
-def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+
+def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one KV block (all layers, K and V; 8-bit storage counts its float16 scales)."""
     cfg = model.config
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * elem
+    return bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
 
 
 class ModelRunner:
     def __init__(
-        self, model: CausalLM, backend: AttentionBackend, num_blocks: int, block_size: int, dtype: torch.dtype
+        self,
+        model: CausalLM,
+        backend: AttentionBackend,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device = model.model.embed_tokens.weight.device
-        shape = (2, cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.cache = KVCache(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype, self.device
+        )
+        self.kv_cache = self.cache.values  # [2, L, num_blocks, block_size, Hkv, D]; scales in self.cache.scales
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache, attn.backend = self.kv_cache[0, i], self.kv_cache[1, i], backend
+            attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = self.cache.layer(i)
+            attn.backend = backend
 
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -44,7 +56,7 @@ class ModelRunner:
         rows = [s.block_table[:width] + [0] * (width - min(width, len(s.block_table))) for s in seqs]
         return self._tensor(rows, torch.int32)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, out: SchedulerOutput) -> ModelInputs:
         """(input_ids, positions, attention metadata, index of each sequence's last row)."""
         bs = self.block_size
         ids: list[int] = []
@@ -67,12 +79,14 @@ class ModelRunner:
             last.append(len(ids) - 1)
         block_tables = self._block_tables(out.seqs, ctx_lens)
         context_lens = self._tensor(ctx_lens, torch.int32)
+        # A decode step where some sequence verifies drafts runs several queries for it: the prefill attention path
+        multi_query = out.is_prefill or len(ids) > len(out.seqs)
         decode_mask = None
-        if not out.is_prefill:  # shared by every layer's decode attention
+        if not multi_query:  # shared by every layer's decode attention
             keys = torch.arange(block_tables.shape[1] * bs, device=self.device)
             decode_mask = (keys[None, :] < context_lens[:, None])[:, None, None, :]
         meta = AttentionMetadata(
-            is_prefill=out.is_prefill,
+            is_prefill=multi_query,
             slot_mapping=self._tensor(slots, torch.int64),
             block_tables=block_tables,
             context_lens=context_lens,
@@ -84,8 +98,12 @@ class ModelRunner:
         return self._tensor(ids, torch.int64), pos, meta, self._tensor(last, torch.int64)
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> torch.Tensor:
-        """fp32 logits ``[B, vocab]`` at each scheduled sequence's last token."""
-        input_ids, positions, meta, last = self.prepare(out)
+    def forward(self, out: SchedulerOutput, inputs: ModelInputs) -> torch.Tensor:
+        """fp32 logits: prefill, ``[B, vocab]`` at each sequence's last token; decode, ``[T, vocab]`` at every
+        scheduled token (one per sequence, or its last token and drafts in order when it verifies drafts)."""
+        input_ids, positions, meta, last = inputs
         hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[last])
+        return self.model.compute_logits(hidden[last] if out.is_prefill else hidden)
+
+    def run(self, out: SchedulerOutput) -> torch.Tensor:
+        return self.forward(out, self.prepare(out))

@@ -38,6 +38,21 @@ def apply_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is sampled from: fp32 softmax after temperature, top-k and top-p (``[B, V]``).
+
+    Rows must be non-greedy (temperature > 0); speculative sampling compares these for target and draft.
+    """
+    sub = logits.float()
+    device = sub.device
+    sub = sub / torch.tensor([p.temperature for p in params], device=device)[:, None]
+    if any(p.top_k > 0 for p in params):
+        sub = apply_top_k(sub, torch.tensor([p.top_k for p in params], device=device))
+    if any(p.top_p < 1.0 for p in params):
+        sub = apply_top_p(sub, torch.tensor([p.top_p for p in params], device=device))
+    return sub.softmax(dim=-1)
+
+
 class Sampler:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator  # for requests without their own seed
@@ -53,16 +68,11 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:
             return tokens.tolist()
-        sub = logits[rows].float()
-        device = sub.device
-        sub = sub / torch.tensor([params[i].temperature for i in rows], device=device)[:, None]
-        if any(params[i].top_k > 0 for i in rows):
-            sub = apply_top_k(sub, torch.tensor([params[i].top_k for i in rows], device=device))
-        if any(params[i].top_p < 1.0 for i in rows):
-            sub = apply_top_p(sub, torch.tensor([params[i].top_p for i in rows], device=device))
-        probs = sub.softmax(dim=-1)
+        probs = processed_probs(logits[rows], [params[i] for i in rows])
         out = tokens.tolist()
         for j, i in enumerate(rows):
-            gen = generators[i] if generators[i] is not None else self.generator
-            out[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+            out[i] = int(torch.multinomial(probs[j], 1, generator=self.generator_for(generators[i])))
         return out
+
+    def generator_for(self, generator: torch.Generator | None) -> torch.Generator | None:
+        return generator if generator is not None else self.generator

@@ -190,32 +190,71 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)  # later victims were pushed first, so waiting keeps arrival order
 
+    # ----------------------------------------------------------------- speculation
+    def add_drafts(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> None:
+        """Schedule drafted tokens (by seq_id) behind each decoding sequence's last token, for one verifying pass.
+
+        A sequence gets its drafts only if free blocks hold them: speculation never preempts anything.
+        """
+        if out.is_prefill:
+            raise RuntimeError("drafts are verified in decode steps only")
+        for i, seq in enumerate(out.seqs):
+            tokens = drafts.get(seq.seq_id)
+            if not tokens:
+                continue
+            seq.token_ids.extend(tokens)
+            if not self.block_manager.can_append(seq):
+                del seq.token_ids[-len(tokens) :]
+                continue
+            self.block_manager.may_append(seq)
+            seq.num_draft_tokens = len(tokens)
+            out.num_tokens[i] = self._in_flight[seq.seq_id] = 1 + len(tokens)
+
     # ----------------------------------------------------------------- results
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int] | list[list[int]]) -> list[Sequence]:
         """Record one step's results; return the sequences that finished in it.
 
-        ``token_ids[i]`` is the token sampled for ``seqs[i]``; for a prefill chunk that does not reach the
-        end of the sequence it is ignored (pass anything, e.g. -1).
+        ``token_ids[i]`` is the token sampled for ``seqs[i]`` (or the list of tokens to append: the accepted
+        drafts and the target's token, after verification); for a prefill chunk that does not reach the end of
+        the sequence it is ignored (pass anything, e.g. -1 or []).
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} sampled tokens")
         finished: list[Sequence] = []
-        for seq, token_id in zip(seqs, token_ids, strict=True):
+        for seq, new in zip(seqs, token_ids, strict=True):
             n = self._in_flight.pop(seq.seq_id, None)
+            tokens = new if isinstance(new, list) else [new]
+            had_drafts = seq.num_draft_tokens > 0
+            if had_drafts:  # verified: the drafts leave, the accepted ones come back below
+                del seq.token_ids[-seq.num_draft_tokens :]
+                seq.num_draft_tokens = 0
+                n = len(tokens)  # the last token and the accepted drafts now have their KV
             if seq.is_finished:
                 continue  # aborted while its step ran
             if n is None:
                 raise RuntimeError(f"sequence {seq.seq_id} was not scheduled in the last step")
             seq.num_computed_tokens += n
-            self.block_manager.cache_computed_blocks(seq)
             if seq.num_computed_tokens < seq.num_tokens:
+                self.block_manager.cache_computed_blocks(seq)
                 continue  # a chunk of a longer prefill: nothing sampled yet
-            seq.append_token(token_id)
-            reason = self._stop_reason(seq, token_id)
+            reason = None
+            for token_id in tokens:
+                seq.append_token(token_id)
+                reason = self._stop_reason(seq, token_id)
+                if reason is not None:
+                    break
+            # A stop among accepted drafts drops the rest: no more computed tokens than tokens.
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            self.block_manager.cache_computed_blocks(seq)
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)
+            elif had_drafts:
+                self.block_manager.trim(seq)  # blocks that held rejected drafts
         return finished
+
+    def live_seq_ids(self) -> set[int]:
+        return set(self._seqs)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         params = seq.sampling_params

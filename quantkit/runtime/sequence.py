@@ -8,6 +8,9 @@ Token accounting, for a sequence with ``num_tokens`` tokens (prompt + generated 
   positions ``[num_computed_tokens, num_computed_tokens + n)`` for the ``n`` tokens it was scheduled.
   While decoding, ``num_computed_tokens == num_tokens - 1``: the step computes the last token and
   samples the next one.
+* ``num_draft_tokens``: during a speculative step only (between ``Scheduler.add_drafts`` and ``postprocess``),
+  drafted tokens sit at the end of ``token_ids`` so that blocks and input positions cover them; verification
+  removes them and appends the accepted ones.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class Sequence:
     num_hashed_blocks: int = field(default=0, init=False)  # leading blocks registered in the prefix cache
     block_table: list[int] = field(default_factory=list, init=False)
     arrival: int = field(default=-1, init=False)  # stamped by Scheduler.add; kept across preemption
+    num_draft_tokens: int = field(default=0, init=False)  # drafts at the end of token_ids, under verification
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)  # own copy: the prompt list stays the caller's

@@ -125,6 +125,14 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
             "quantkit_num_requests_in_flight": ("HTTP requests being served.", lambda: state.engine.num_in_flight),
             "quantkit_kv_cache_usage_ratio": ("Fraction of KV blocks in use.", lambda: stats.kv_usage),
             "quantkit_kv_cache_free_blocks": ("Free KV blocks.", lambda: stats.free_blocks),
+            "quantkit_spec_decode_acceptance_rate": (
+                "Draft tokens accepted / drafted (speculative decoding).",
+                lambda: stats.spec_acceptance,
+            ),
+            "quantkit_spec_decode_tokens_per_step": (
+                "Tokens per target pass of a sequence with drafts.",
+                lambda: stats.spec_tokens_per_step,
+            ),
             "process_resident_memory_bytes": ("Resident memory of the server process.", resident_memory_bytes),
         }
         return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")

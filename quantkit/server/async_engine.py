@@ -37,6 +37,8 @@ class EngineStats:
     waiting: int = 0
     kv_usage: float = 0.0
     free_blocks: int = 0
+    spec_acceptance: float = 0.0  # accepted / drafted tokens so far (speculative decoding)
+    spec_tokens_per_step: float = 0.0  # tokens per target pass of a sequence with drafts
 
 
 class AsyncEngine:
@@ -207,8 +209,11 @@ class AsyncEngine:
                 return
 
     def _publish_stats(self) -> None:
-        sched, bm = self.engine.scheduler, self.engine.block_manager
-        self.stats = EngineStats(sched.num_running, sched.num_waiting, bm.usage, bm.num_free_blocks)
+        sched, bm, spec = self.engine.scheduler, self.engine.block_manager, self.engine.spec_stats
+        self.stats = EngineStats(
+            sched.num_running, sched.num_waiting, bm.usage, bm.num_free_blocks, spec.acceptance_rate,
+            spec.tokens_per_step,
+        )  # fmt: skip
 
     def _call_soon(self, fn: Callable[..., None], arg: Any) -> None:
         loop = self._loop

@@ -24,6 +24,10 @@ class ServeConfig:
     max_body_bytes: int = 4 * 1024 * 1024
     body_timeout: float = 10.0  # seconds a client has to send its whole request body; slower ones get 408
     log_level: str = "warning"
+    kv_cache_dtype: str = EngineConfig.kv_cache_dtype
+    speculative: str | None = EngineConfig.speculative
+    num_speculative_tokens: int = EngineConfig.num_speculative_tokens
+    draft_model: str | None = EngineConfig.draft_model
 
     def __post_init__(self) -> None:
         if not _is_int(self.port) or not 0 <= self.port < 65536:
@@ -38,6 +42,7 @@ class ServeConfig:
             raise QuantkitError(f"drain_timeout={self.drain_timeout!r} is invalid; use seconds >= 0")
         if self.api_key is not None and not self.api_key:
             raise QuantkitError("api_key is empty; pass a non-empty key or none")
+        self.engine_config()  # engine options checked now, before any model is loaded
 
     def engine_config(self) -> EngineConfig:
         """Batching limits for the engine: a whole prompt of max_model_len tokens must fit one prefill step."""
@@ -46,6 +51,10 @@ class ServeConfig:
             max_model_len=self.max_model_len,
             max_num_batched_tokens=max(4096, self.max_model_len or 0),
             num_kv_blocks=self.kv_cache_blocks,
+            kv_cache_dtype=self.kv_cache_dtype,
+            speculative=self.speculative,
+            num_speculative_tokens=self.num_speculative_tokens,
+            draft_model=self.draft_model,
         )
 
 

@@ -14,7 +14,7 @@ from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.llm import LLM
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
-from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
+from runtime.helpers_runtime import one_thread, run_triton_interpreted  # noqa: F401 (autouse fixture)
 
 VOCAB = 256
 
@@ -159,13 +159,13 @@ def test_llm_generate_reports_errors_per_request(tiny_model_dir: Path) -> None:
 def test_a_failed_batch_fails_its_requests_only(tiny_model_dir: Path, monkeypatch) -> None:
     engine = _engine(tiny_model_dir)
     first = engine.add_request([1, 5, 6], SamplingParams(temperature=0, max_tokens=4))
-    real_run = engine.runner.run
+    real_forward = engine.runner.forward
 
-    def broken(out):
-        monkeypatch.setattr(engine.runner, "run", real_run)  # fails once
+    def broken(out, inputs):
+        monkeypatch.setattr(engine.runner, "forward", real_forward)  # fails once
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.runner, "forward", broken)
     (out,) = engine.step()
     assert out.request_id == first and out.finish_reason is FinishReason.ERROR and "device lost" in out.error
     _assert_cache_empty(engine)
@@ -254,22 +254,7 @@ print(json.dumps(out))
 @pytest.mark.slow
 def test_triton_backend_matches_torch_backend(tiny_model_dir: Path) -> None:
     """The Triton KV-write and paged decode kernels (CPU interpreter here) give the torch backend's tokens."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}  # must be set before triton is imported: a fresh process
-    proc = subprocess.run(
-        [sys.executable, "-c", _TRITON_SCRIPT, str(tiny_model_dir)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_triton_interpreted(_TRITON_SCRIPT, str(tiny_model_dir))
     assert out["triton"] == out["torch"]
 
 

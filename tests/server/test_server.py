@@ -478,3 +478,17 @@ def test_a_slow_body_gets_408_without_holding_the_connection():
     result = asyncio.run(_read_body({"headers": []}, receive, limit=1 << 20, timeout=0.2))
     assert time.perf_counter() - start < 2
     assert result.status == 408 and "--body-timeout" in result.message
+
+
+def test_speculative_server_reports_acceptance_in_metrics(model_dir):
+    """A server with n-gram speculation answers as without it and exposes the acceptance counters."""
+    body = {"model": MODEL, "prompt": "the cat the cat the cat the cat", "max_tokens": 24, "temperature": 0}
+    with ServerThread(create_app(model_dir, _config())) as plain_srv:
+        plain = httpx.post(f"{plain_srv.url}/v1/completions", json=body).json()["choices"][0]["text"]
+    with ServerThread(create_app(model_dir, _config(speculative="ngram", num_speculative_tokens=4))) as srv:
+        spec = httpx.post(f"{srv.url}/v1/completions", json=body).json()["choices"][0]["text"]
+        metrics = httpx.get(f"{srv.url}/metrics").text
+    assert spec == plain
+    rate = re.search(r"^quantkit_spec_decode_acceptance_rate (\S+)", metrics, re.M)
+    per_step = re.search(r"^quantkit_spec_decode_tokens_per_step (\S+)", metrics, re.M)
+    assert rate and per_step and 0 < float(rate.group(1)) <= 1 and float(per_step.group(1)) > 1, metrics

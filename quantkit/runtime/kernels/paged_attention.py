@@ -9,6 +9,10 @@ context length 0 gets zeros.
 The kernel runs one program per (sequence, kv head, partition): all query heads of a kv group share each K/V
 load; long contexts are split into partitions (flash-decoding) whose partial softmax states are merged by a
 second small kernel.
+
+8-bit caches (int8 / float8_e4m3fn) come with float16 ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``
+(one scale per token slot and kv head): the kernel loads the 8-bit rows and their scales and dequantizes in
+registers (``value * scale`` in fp32), so a K/V load moves 1 byte per element plus 2 bytes per row.
 """
 
 from __future__ import annotations
@@ -46,6 +50,14 @@ def _paged_attention_kernel(
     stride_ob,
     stride_oh,
     stride_op,
+    ks_ptr,  # float16 [num_blocks, block_size, Hkv] scales of an 8-bit cache (only when QUANT)
+    vs_ptr,
+    stride_ksn,
+    stride_kss,
+    stride_ksh,
+    stride_vsn,
+    stride_vss,
+    stride_vsh,
     QPK: tl.constexpr,  # query heads per kv head
     QPK_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -53,6 +65,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,  # tokens per iteration
     PARTITION: tl.constexpr,  # tokens per partition (multiple of BLOCK_N)
     NUM_PARTS: tl.constexpr,
+    QUANT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -85,6 +98,11 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(tl.float32)
+        if QUANT:
+            k_sc = tl.load(
+                ks_ptr + page * stride_ksn + slot_in_page * stride_kss + kvh * stride_ksh, mask=t_mask, other=0.0
+            )
+            k = k * k_sc.to(tl.float32)[:, None]
         # scores [QPK_PAD, BLOCK_N]; broadcast-reduce works for any QPK (tl.dot needs >= 16 rows)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale_log2
         s = tl.where(t_mask[None, :], s, float("-inf"))
@@ -97,6 +115,11 @@ def _paged_attention_kernel(
             mask=kv_mask,
             other=0.0,
         ).to(tl.float32)
+        if QUANT:
+            v_sc = tl.load(
+                vs_ptr + page * stride_vsn + slot_in_page * stride_vss + kvh * stride_vsh, mask=t_mask, other=0.0
+            )
+            v = v * v_sc.to(tl.float32)[:, None]
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
         m_i = m_new
 
@@ -156,7 +179,11 @@ def _check_inputs(
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[int, int, int, int]:
+    if (k_scale is None) != (v_scale is None):
+        raise ValueError("give both k_scale and v_scale (an 8-bit cache) or neither")
     if q.ndim != 3 or q.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"q must be a float [B, Hq, D] tensor, got {q.dtype} {tuple(q.shape)}")
     bsz, hq, d = q.shape
@@ -165,7 +192,11 @@ def _check_inputs(
             f"k_cache/v_cache must both be [num_blocks, block_size, Hkv, D], got {tuple(k_cache.shape)} and "
             f"{tuple(v_cache.shape)}"
         )
-    if k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
+    if k_scale is not None and v_scale is not None:
+        from quantkit.runtime.kernels.kv_cache_write import _check_quantized_cache
+
+        _check_quantized_cache(k_cache, v_cache, k_scale, v_scale, q.device)
+    elif k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache/v_cache must share a float dtype, got {k_cache.dtype} and {v_cache.dtype}")
     _, _, hkv, dk = k_cache.shape
     if dk != d:
@@ -201,14 +232,18 @@ def paged_attention(
     *,
     partition_size: int = 512,
     block_n: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton decode attention; returns ``[B, Hq, D]`` in ``q.dtype``.
+
+    With ``k_scale``/``v_scale`` the caches are 8-bit (int8 / float8_e4m3fn) and are dequantized in-kernel.
 
     ``partition_size`` (a power of two) bounds the tokens one program handles; the number of partitions is
     taken from the block table width (no device sync), programs past a sequence's end exit at once.
     Context lengths are not range-checked: they must be ``<= max_blocks * block_size``.
     """
-    bsz, hq, hkv, d = _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
+    bsz, hq, hkv, d = _check_inputs(q, k_cache, v_cache, block_tables, context_lens, k_scale, v_scale)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if bsz == 0 or hq == 0:
         return out
@@ -251,6 +286,10 @@ def paged_attention(
         s_ob,
         s_oh,
         s_op,
+        k_scale if k_scale is not None else k_cache,  # unused without QUANT
+        v_scale if v_scale is not None else v_cache,
+        *(k_scale.stride() if k_scale is not None else (0, 0, 0)),
+        *(v_scale.stride() if v_scale is not None else (0, 0, 0)),
         QPK=qpk,
         QPK_PAD=triton.next_power_of_2(qpk),
         HEAD_DIM=d,
@@ -258,6 +297,7 @@ def paged_attention(
         BLOCK_N=bn,
         PARTITION=partition_size,
         NUM_PARTS=num_parts,
+        QUANT=k_scale is not None,
         num_warps=4,
     )
     if num_parts > 1:

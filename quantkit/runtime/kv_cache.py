@@ -1,0 +1,159 @@
+"""The paged KV cache: allocation, byte accounting, and 8-bit storage (``kv_cache_dtype`` "int8" / "fp8").
+
+``"auto"`` keeps keys and values in the compute dtype with no scales (the cache is exactly what it was before
+8-bit storage existed). ``"int8"`` / ``"fp8"`` store every K and V row in 8 bits with ONE float16 scale per
+(token slot, kv head) for K and one for V:
+
+* int8, symmetric: ``scale = absmax / 127``, ``q = round(x / scale)`` (half away from zero) in [-127, 127];
+* fp8: ``torch.float8_e4m3fn``, ``scale = absmax / 448``, ``q = e4m3(x / scale)`` (round to nearest even).
+
+Why per (token, head): the scale is computed by the KV-write path from the token's own row only, so a write
+needs no read-modify-write of its block and no earlier token is ever rescaled when a larger value arrives (a
+per-block or per-head-over-time scale would need both); prefix-cached blocks therefore stay bit-stable. With
+``head_dim`` 64 it costs 2 bytes per 64 values, so 8-bit storage holds 128 / (64 + 2) = 1.94x the tokens of a
+bf16 cache (3.9x of fp32) in the same bytes.
+
+Scales are rounded up to float16 (``absmax / qmax`` is clamped to [2^-14, 60000] and multiplied by
+``1 + 2^-10`` before the round-to-nearest cast), so ``|x / scale| <= qmax`` holds and nothing clips: int8
+round-trip error is at most ``scale / 2`` per element, fp8 error is e4m3's rounding (relative 2^-4, or
+``2^-10 * scale`` in its subnormal range). The clamp to the smallest normal float16 keeps a scale's rounding
+relative; rows smaller than 127 * 2^-14 (0.0078) then quantize with absolute error <= 2^-15. The Triton
+``kv_cache_write`` kernel does the same float32 arithmetic in-kernel.
+
+Reads dequantize ``q.float() * scale.float()`` and cast to the compute dtype: the torch decode and prefill
+paths after gathering pages, the Triton ``paged_attention`` kernel in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+SCALE_DTYPE = torch.float16
+# storage dtype and the largest magnitude it holds, per 8-bit kv_cache_dtype
+QUANT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
+    "int8": (torch.int8, 127.0),
+    "fp8": (torch.float8_e4m3fn, 448.0),
+}
+_MIN_SCALE = 2.0**-14  # smallest normal float16: keeps the scale's float16 rounding relative
+_MAX_SCALE = 60000.0  # below float16's max once multiplied by _SCALE_ROUND_UP
+_SCALE_ROUND_UP = 1.0 + 2.0**-10  # >= one float16 ulp (relative) above: the rounded scale is never below absmax/qmax
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in QUANT_FORMATS:
+        raise QuantkitError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid; use one of {['auto', *QUANT_FORMATS]}")
+
+
+def is_quantized(kv_cache_dtype: str) -> bool:
+    check_kv_cache_dtype(kv_cache_dtype)
+    return kv_cache_dtype != "auto"
+
+
+def storage_dtype(kv_cache_dtype: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the cache's values: ``dtype`` (the compute dtype) for "auto", else the 8-bit format."""
+    return QUANT_FORMATS[kv_cache_dtype][0] if is_quantized(kv_cache_dtype) else dtype
+
+
+def qmax_of(dtype: torch.dtype) -> float:
+    for fmt, qmax in QUANT_FORMATS.values():
+        if fmt == dtype:
+            return qmax
+    raise ValueError(f"{dtype} is not an 8-bit KV cache format (int8 or float8_e4m3fn)")
+
+
+def bytes_per_block(
+    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """Bytes of one KV block over all layers, K and V, scales included."""
+    elem = torch.empty((), dtype=storage_dtype(kv_cache_dtype, dtype)).element_size()
+    per_head = head_dim * elem + (SCALE_DTYPE.itemsize if is_quantized(kv_cache_dtype) else 0)
+    return 2 * num_layers * block_size * num_kv_heads * per_head
+
+
+# ------------------------------------------------------------------------------------ quantize / dequantize
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., D]`` -> (values ``[..., D]`` in ``dtype`` (int8 / float8_e4m3fn), float16 scales ``[...]``)."""
+    qmax = qmax_of(dtype)
+    xf = x.float()
+    absmax = xf.abs().amax(dim=-1)
+    scale = ((absmax / qmax).clamp(_MIN_SCALE, _MAX_SCALE) * _SCALE_ROUND_UP).to(SCALE_DTYPE)
+    q = xf / scale.float().unsqueeze(-1)
+    if dtype == torch.int8:
+        q = torch.where(q >= 0, torch.floor(q + 0.5), torch.ceil(q - 0.5))  # half away from zero (as in-kernel)
+    return q.clamp(-qmax, qmax).to(dtype), scale
+
+
+def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values [..., D]`` (8-bit) times ``scales [...]`` -> ``dtype`` (multiplied in float32)."""
+    return (values.float() * scales.float().unsqueeze(-1)).to(dtype)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of an 8-bit tensor (``index_copy_`` has no float8 kernel on CPU)."""
+    return t.view(torch.uint8)
+
+
+def write_rows(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantize ``x [T, Hkv, D]`` and store it (and its scales) at flat slots of ``cache [N, bs, Hkv, D]`` /
+    ``scales [N, bs, Hkv]``. Every slot must be valid (no -1 padding: the runner never produces it)."""
+    heads, dim = cache.shape[2], cache.shape[3]
+    q, s = quantize_rows(x, cache.dtype)
+    _bytes(cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _bytes(q))
+    scales.view(-1, heads).index_copy_(0, slot_mapping, s)
+
+
+def gather_pages(
+    cache: torch.Tensor, scales: torch.Tensor | None, pages: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``cache[pages]`` (``[P, bs, Hkv, D]``) in ``dtype``: dequantized when ``scales`` is given, else cast."""
+    values = cache.index_select(0, pages)
+    if scales is None:
+        return values.to(dtype)
+    return dequantize(values, scales.index_select(0, pages), dtype)
+
+
+# ------------------------------------------------------------------------------------ the cache
+
+
+class KVCache:
+    """Every layer's K/V pages: ``values [2, L, num_blocks, block_size, Hkv, D]`` (K then V) in the storage
+    dtype and, for 8-bit storage, ``scales [2, L, num_blocks, block_size, Hkv]`` float16 (else ``None``)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.kv_cache_dtype = kv_cache_dtype
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+        shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.values = torch.zeros(shape, dtype=storage_dtype(kv_cache_dtype, dtype), device=device)
+        self.scales: torch.Tensor | None = None
+        if is_quantized(kv_cache_dtype):
+            self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scales is not None
+
+    @property
+    def nbytes(self) -> int:
+        scales = self.scales.nbytes if self.scales is not None else 0
+        return self.values.nbytes + scales
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(k_cache, v_cache, k_scale, v_scale) of layer ``i`` (scales ``None`` when not quantized)."""
+        if self.scales is None:
+            return self.values[0, i], self.values[1, i], None, None
+        return self.values[0, i], self.values[1, i], self.scales[0, i], self.scales[1, i]

@@ -43,6 +43,7 @@ ALLOWED: dict[str, set[str]] = {
     "export": {"format", "model"},  # converts stored integer codes: no solver, no requantizing
     "runtime": {"format", "model"},
     "server": {"runtime", "format", "model"},
+    "bench": {"runtime", "format", "model", "data"},  # drives the engine on shipped text; HF baseline via format
 }
 ANYTHING = {"cli", "__init__", "__main__"}  # the faces of the package: the CLI and the lazy Python API
 _MODULE_STRING = re.compile(r"^quantkit(\.[A-Za-z_]\w*)+$")

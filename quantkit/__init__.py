@@ -24,7 +24,9 @@ __all__ = [
     "QuantScheme",
     "QuantizeConfig",
     "RTNConfig",
+    "RotationConfig",
     "SamplingParams",
+    "TuneConfig",
     "evaluate",
     "quantize",
 ]
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
     from quantkit.quantization.solvers.awq import AWQConfig
     from quantkit.quantization.solvers.gptq import GPTQConfig
     from quantkit.quantization.solvers.grid import RTNConfig
+    from quantkit.quantization.solvers.tune import TuneConfig
+    from quantkit.rotation.config import RotationConfig
     from quantkit.runtime.llm import LLM
     from quantkit.runtime.sampling_params import SamplingParams
 
@@ -49,6 +53,8 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RTNConfig": ("quantkit.quantization.solvers.grid", "RTNConfig"),
     "GPTQConfig": ("quantkit.quantization.solvers.gptq", "GPTQConfig"),
     "AWQConfig": ("quantkit.quantization.solvers.awq", "AWQConfig"),
+    "TuneConfig": ("quantkit.quantization.solvers.tune", "TuneConfig"),
+    "RotationConfig": ("quantkit.rotation.config", "RotationConfig"),
     "CalibrationConfig": ("quantkit.data.calibration", "CalibrationConfig"),
     "evaluate": ("quantkit.eval.evaluate", "evaluate"),
     "EvalConfig": ("quantkit.eval.evaluate", "EvalConfig"),

@@ -6,6 +6,7 @@ original model's perplexity as the baseline row and each RTN row's gap closed by
 
     python scripts/bench_quantize.py                     # the full matrix (long on 2 CPU cores)
     python scripts/bench_quantize.py --only w4-g64-sym --methods rtn,gptq --eval-windows 20
+    python scripts/bench_quantize.py --matrix frontier --samples 40    # W4/W3 schemes with rotation and tuning
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from rich.console import Console
 from rich.table import Table
 
 from quantkit.eval.evaluate import EvalConfig, evaluate
+from quantkit.format.inspect import inspect_checkpoint
+from quantkit.quantization.solvers.tune import TuneConfig
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class Case:
     sym: bool
     act_order: bool = False
     mse_clip: bool = False
+    rotate: bool = False
+    tune_steps: int = 0
 
     @property
     def storage(self) -> str:
@@ -41,7 +46,13 @@ class Case:
 
     @property
     def scheme(self) -> str:
-        return self.storage + ("-actorder" if self.act_order else "") + ("-mse" if self.mse_clip else "")
+        solver = ("-actorder" if self.act_order else "") + ("-mse" if self.mse_clip else "")
+        return (
+            self.storage
+            + solver
+            + ("-rot" if self.rotate else "")
+            + (f"-tune{self.tune_steps}" if self.tune_steps else "")
+        )
 
     def args(self) -> list[str]:
         """Every solver option spelled out, so the CLI's method defaults never change what a row means."""
@@ -49,6 +60,7 @@ class Case:
         out.append("--sym" if self.sym else "--asym")
         out += ["--act-order", "--static-groups"] if self.act_order else ["--no-act-order"]
         out.append("--mse-clip" if self.mse_clip else "--no-mse-clip")
+        out += ["--rotate", "hadamard" if self.rotate else "none", "--tune-steps", str(self.tune_steps)]
         return out
 
 
@@ -66,6 +78,17 @@ def matrix(methods: list[str]) -> list[Case]:
     return cases
 
 
+def frontier(tune_steps: int) -> list[Case]:
+    """The deployable low-bit schemes: round-to-nearest, then GPTQ's default with and without rotation and tuning."""
+    cases = []
+    for bits, group in ((4, 64), (4, -1), (3, 64), (3, 32)):
+        cases.append(Case("rtn", bits, group, True))
+        for rotate in (False, True):
+            for steps in (0, tune_steps):
+                cases.append(Case("gptq", bits, group, True, True, True, rotate=rotate, tune_steps=steps))
+    return cases
+
+
 def quantize(case: Case, model: str, out: Path, samples: int, seq_len: int) -> dict:
     summary = out.with_suffix(".json")
     cmd = [sys.executable, "-m", "quantkit", "quantize", model, "-o", str(out), "--force", "--json", str(summary)]
@@ -78,6 +101,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="rtn,gptq", help="comma list of rtn, gptq, awq, awq+gptq")
+    parser.add_argument("--matrix", choices=("methods", "frontier"), default="methods")
+    parser.add_argument("--tune-steps", type=int, default=TuneConfig().steps, help="frontier: tuning steps per block")
     parser.add_argument("--only", default=None, help="comma list of scheme names, e.g. w4-g64-sym,w8-ch-sym")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -85,7 +110,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
     args = parser.parse_args()
     methods = args.methods.split(",")
-    cases = matrix(methods)
+    cases = matrix(methods) if args.matrix == "methods" else frontier(args.tune_steps)
     if args.only:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c.scheme in wanted]
@@ -106,8 +131,10 @@ def main() -> None:
                     "seconds": q["seconds"],
                     "peak_rss_mb": q["peak_rss_mb"],
                     "size_mb": q["checkpoint_bytes"] / 1e6,
+                    "model_bits_per_weight": inspect_checkpoint(out).model_bits_per_weight,
                     "perplexity": e.perplexity,
                     "kl_mean": e.kl_mean,
+                    "kl_p99": e.kl_p99,
                     "top1": e.top1_agreement,
                 }
             )
@@ -122,14 +149,16 @@ def main() -> None:
         "time s",
         "peak RSS MB",
         "size MB",
+        "bits/w",
         "ppl",
         "ppl +%",
         "KL mean",
+        "KL p99",
         "top-1",
         "RTN gap closed",
     ):
         table.add_column(col, justify="right")
-    table.add_row("original", "bf16", "-", "-", "-", f"{base.perplexity:.3f}", "0", "0", "1", "-")
+    table.add_row("original", "bf16", "-", "-", "-", "16", f"{base.perplexity:.3f}", "0", "0", "0", "1", "-")
     for r in rows:
         gap = rtn.get(r["storage"])
         closed = "-"
@@ -141,9 +170,11 @@ def main() -> None:
             f"{r['seconds']:.0f}",
             f"{r['peak_rss_mb']:.0f}",
             f"{r['size_mb']:.1f}",
+            f"{r['model_bits_per_weight']:.2f}",
             f"{r['perplexity']:.3f}",
             f"{100 * (r['perplexity'] / base.perplexity - 1):.2f}",
             f"{r['kl_mean']:.4f}",
+            f"{r['kl_p99']:.3f}",
             f"{r['top1']:.3f}",
             closed,
         )

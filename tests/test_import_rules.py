@@ -26,9 +26,11 @@ ALLOWED: dict[str, set[str]] = {
     "data": {"model"},
     "eval": {"data", "model", "format"},
     "quantization.solvers": {"format"},  # pure functions: weights (+ statistics) in, integers out
-    "quantization": {"quantization.solvers", "data", "model", "format"},
+    "rotation": {"model"},
+    "quantization": {"quantization.solvers", "data", "model", "format", "rotation"},
     "mixed": {"quantization", "quantization.solvers", "data", "model", "format", "eval", "schemas"},
     "recipes": {
+        "rotation",
         "export",
         "mixed",
         "quantization",

@@ -18,6 +18,8 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
 from quantkit.quantization.methods import METHODS
 from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.solvers.tune import TuneConfig
+from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
 
 NumSamples = Annotated[int, typer.Option(help="Number of windows.")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.")]
@@ -169,6 +171,13 @@ def quantize(
         list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
     ] = None,
     plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
+    rotate: Annotated[
+        str, typer.Option(help=f"Rotation folded into the weights before solving: {', '.join(ROTATION_KINDS)}.")
+    ] = RotationConfig().kind,
+    rotate_seed: Annotated[int, typer.Option(help="Seed of the rotation's random signs.")] = RotationConfig().seed,
+    tune_steps: Annotated[
+        int, typer.Option(help="Block-output tuning of rounding and scales after the solver: steps per block (0: off).")
+    ] = 0,
     layout_policy: Annotated[str, typer.Option(help=LAYOUT_POLICY_HELP)] = QuantizeConfig.layout_policy,
     formats: Annotated[
         list[str] | None,
@@ -196,6 +205,8 @@ def quantize(
         calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
         calibration_file=calib,
         ignore=list(ignore or []),
+        rotation=RotationConfig(kind=rotate, seed=rotate_seed),  # type: ignore[arg-type]
+        tune=TuneConfig(steps=tune_steps),
         layout_policy=layout_policy,
         resume=resume,
         force=force,

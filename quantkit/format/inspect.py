@@ -41,6 +41,8 @@ class CheckpointReport:
     quantized_params: int = 0
     total_params: int = 0
     avg_bits_per_weight: float = 0.0  # over quantized Linears only
+    model_bits_per_weight: float = 0.0  # every stored bit over the source model's parameters (embeddings included)
+    untied_head_bytes: int = 0  # a head the rotation had to untie from the embedding (counted in the size)
     checkpoint_bytes: int = 0  # safetensors files on disk
     dense_bf16_bytes: int = 0
     dense_from_reference: bool = False  # dense size measured from a reference checkpoint
@@ -126,6 +128,11 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
     report.total_params = report.quantized_params + other
     report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0
+    head = infos.get(_rotation_untied_head(path) or "")
+    report.untied_head_bytes = 0 if head is None else head.total_bits // 8
+    source_params = report.total_params - (0 if head is None else head.numel)
+    all_bits = sum(info.total_bits for key, info in infos.items() if not key.endswith(SHAPE))
+    report.model_bits_per_weight = all_bits / source_params if source_params else 0.0
     if reference is not None:
         report.dense_bf16_bytes = _safetensors_bytes(Path(reference))
         report.dense_from_reference = True
@@ -134,13 +141,25 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     return report
 
 
-def _layout_fallbacks(path: Path) -> dict[str, str]:
-    """Layers whose group size ``--layout-policy fallback`` changed, as quantize recorded them."""
+def _rotation_untied_head(path: Path) -> str | None:
+    """The head tensor quantize recorded as untied from the embedding by folding a rotation, if any."""
+    rotation = _run_log(path).get("rotation")
+    return rotation.get("untied_head") if isinstance(rotation, dict) else None
+
+
+def _run_log(path: Path) -> dict[str, Any]:
     log = path / RUN_LOG
     try:
-        return dict(json.loads(log.read_text()).get("layout_fallbacks") or {}) if log.is_file() else {}
-    except (json.JSONDecodeError, AttributeError, TypeError):
+        data = json.loads(log.read_text()) if log.is_file() else {}
+    except json.JSONDecodeError:
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _layout_fallbacks(path: Path) -> dict[str, str]:
+    """Layers whose group size ``--layout-policy fallback`` changed, as quantize recorded them."""
+    fallbacks = _run_log(path).get("layout_fallbacks")
+    return dict(fallbacks) if isinstance(fallbacks, dict) else {}
 
 
 def _human(nbytes: int) -> str:
@@ -176,8 +195,14 @@ def render_report(report: CheckpointReport) -> Group:
     table.caption = (
         f"quantized params {report.quantized_params:,} of {report.total_params:,}; "
         f"avg {report.avg_bits_per_weight:.3f} bits/w; size {_human(report.checkpoint_bytes)} "
-        f"vs bf16 {_human(report.dense_bf16_bytes)} ({dense_src}), x{report.compression_ratio:.2f}"
+        f"vs bf16 {_human(report.dense_bf16_bytes)} ({dense_src}), x{report.compression_ratio:.2f}; "
+        f"whole model {report.model_bits_per_weight:.3f} bits/w"
     )
+    if report.untied_head_bytes:
+        table.caption += (
+            f"; includes an lm_head of {_human(report.untied_head_bytes)} that folding the rotation untied "
+            "from the embedding"
+        )
     engines = Table(title="Loads in (layers per kernel)")
     engines.add_column("engine")
     engines.add_column("all layers", justify="center")

@@ -45,16 +45,25 @@ class BlockRunner:
         cos, sin = rotary(probe, positions)
         return cls((cos.float(), sin.float()), batch_size)
 
+    def _call_kwargs(self, seq_len: int) -> dict[str, object]:
+        cos, sin = self.position_embeddings
+        return {
+            "attention_mask": None,
+            "position_embeddings": (cos[:, :seq_len], sin[:, :seq_len]),
+            "use_cache": False,
+        }
+
     def __call__(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """One block on a [B, T, H] batch, computed in float32 (causal attention, no cache)."""
-        seq_len = hidden.shape[1]
-        cos, sin = self.position_embeddings
-        out = block(
-            hidden.float(),
-            attention_mask=None,
-            position_embeddings=(cos[:, :seq_len], sin[:, :seq_len]),
-            use_cache=False,
-        )
+        out = block(hidden.float(), **self._call_kwargs(hidden.shape[1]))
+        return out[0] if isinstance(out, tuple) else out
+
+    def functional(self, block: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`__call__`, with ``params`` (by parameter name relative to the block, e.g.
+        ``"mlp.up_proj.weight"``) standing in for the block's own tensors during the call
+        (:func:`torch.func.functional_call`; tensors not named keep the block's), so gradients reach them."""
+        kwargs = self._call_kwargs(hidden.shape[1])
+        out = torch.func.functional_call(block, params, (hidden.float(),), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def run(self, block: nn.Module, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:

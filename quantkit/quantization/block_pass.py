@@ -11,6 +11,7 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner
 from quantkit.quantization.methods import SolverConfig
+from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.quantization.spill import SpillFile
 
 BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
@@ -25,3 +26,4 @@ class BlockPass:
     storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
     runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
     spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)
+    tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)

@@ -41,11 +41,16 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
     model_config = config_json(job.source)
     model_config.pop("quantization_config", None)
     layer_prefix = job.arch.layers_path + "."
+    outer = work.load_outer()  # rotated: the embedding, final norm and an untied head
+    if outer:
+        model_config["tie_word_embeddings"] = False
     writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
     with writer:
         for name in job.weights.names():
-            if not name.startswith(layer_prefix):
+            if not name.startswith(layer_prefix) and name not in outer:
                 writer.add({name: job.weights.get(name)})
+        for name, tensor in outer.items():
+            writer.add({name: tensor})
         for index in range(work.finished):
             with safe_open(str(work.block_file(index)), framework="pt") as f:
                 writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
@@ -65,6 +70,8 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
         "fingerprints": work.state["fingerprints"],
         "layers": [record.to_dict() for record in work.records],
     }
+    if job.rotation is not None:
+        log["rotation"] = job.rotation.log() | {"untied_head": job.rotation.head_name if job.rotation.tied else None}
     if job.assignment.fallbacks:
         log["layout_fallbacks"] = job.assignment.fallbacks  # --layout-policy fallback: linear -> "g128 -> g64"
     return log

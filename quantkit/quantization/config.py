@@ -22,6 +22,8 @@ from quantkit.quantization.methods import (
 )
 from quantkit.quantization.solvers.awq import AWQConfig
 from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.solvers.tune import TuneConfig
+from quantkit.rotation.config import RotationConfig
 
 DEFAULT_METHOD = "gptq"
 
@@ -39,6 +41,8 @@ class QuantizeConfig:
     scheme: QuantScheme | None = None
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
+    rotation: RotationConfig = field(default_factory=RotationConfig)  # folded into the weights before solving
+    tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)
     ignore: list[str] = field(default_factory=list)  # regexes (re.search) of linears kept in float
     planned: dict[str, QuantScheme | None] | None = None
     layout_policy: str = STRICT  # layouts engines would refuse: see quantkit.format.engines.LAYOUT_POLICIES
@@ -79,8 +83,12 @@ class QuantizeConfig:
         return next((s for s in self.solvers if isinstance(s, AWQConfig)), None)
 
     @property
+    def tuning(self) -> bool:
+        return self.tune is not None and self.tune.steps > 0
+
+    @property
     def needs_calibration(self) -> bool:
-        return needs_calibration(self.solvers)
+        return needs_calibration(self.solvers) or self.tuning
 
     def resolved_scheme(self) -> QuantScheme:
         return self.scheme if self.scheme is not None else resolve_scheme(self.method)

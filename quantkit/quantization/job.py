@@ -15,6 +15,7 @@ from quantkit.model.architectures import ArchSpec
 from quantkit.model.source_weights import SourceWeights, config_json
 from quantkit.quantization.assignment import SchemeAssignment, check_exports, fit_layouts, uniform_assignment
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.rotation_step import JobRotation
 from quantkit.quantization.solvers.gptq import GPTQConfig
 
 NO_CALIBRATION = "none"
@@ -32,6 +33,7 @@ class QuantizeJob:
     storage: torch.dtype  # the float weights' dtype: unquantized tensors and scales are stored in it
     assignment: SchemeAssignment
     calibration: CalibrationSet | None  # None: data-free (round-to-nearest)
+    rotation: JobRotation | None = None  # None: the weights are solved as stored
 
     def fingerprints(self) -> dict[str, str]:
         """What the output depends on, recorded in the work directory and the checkpoint's log."""
@@ -77,4 +79,8 @@ def _solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> 
         "batch_size": config.batch_size,
         "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
     }
+    if config.rotation.kind != "none":  # runs without these keep the fingerprints they always had
+        spec["rotation"] = config.rotation.name
+    if config.tuning:
+        spec["tune"] = asdict(config.tune)
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -33,6 +33,7 @@ from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
 from quantkit.quantization.methods import SolverConfig
 from quantkit.quantization.quantize_block import quantize_block
 from quantkit.quantization.records import LayerRecord, record_from_dict
+from quantkit.quantization.rotation_step import job_rotation
 from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.workdir import WorkDir, partial_dir
 
@@ -80,6 +81,8 @@ def quantize_model(
         check_free_space(job)
         work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
         resumed_from = work.finished
+        if job.rotation is not None and not work.has_outer:
+            work.save_outer(job.rotation.outer_tensors(job.weights))
         _run_blocks(job, work, on_block_done)
         write_checkpoint(job, work)
         commit_point("checkpoint-written")
@@ -140,6 +143,7 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
         calibration = calibration_for_model(model, config.calibration, config.calibration_file, load_tokenizer(source))
     release_freed_memory()  # tokenization's temporaries
     num_layers = num_layers_of(source)
+    rotation = job_rotation(config.rotation, source, arch, weights)
     return QuantizeJob(
         model=model,
         config=config,
@@ -151,22 +155,26 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
         storage=weights.storage_dtype(),
         assignment=assignment,
         calibration=calibration,
+        rotation=rotation,
     )
 
 
 def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], None] | None) -> None:
     skeleton = build_skeleton(job.source)
-    run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage)
+    tune = job.config.tune if job.config.tuning else None
+    run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune)
     hidden: torch.Tensor | None = None
     # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
-    load_dtype = job.storage
+    load_dtype = job.storage if job.rotation is None else torch.float32
     if job.calibration is not None:
         load_dtype = torch.float32
         run.runner = BlockRunner.for_model(skeleton, job.arch, job.calibration.seq_len, job.config.batch_size)
-        if work.finished == 0:
-            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage)
-        else:
+        if work.finished > 0:
             hidden = work.load_hidden()
+        elif job.rotation is not None:
+            hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage)
+        else:
+            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage)
     with SpillFile(work.spill_file) as spill:
         run.spill = spill
         visits = walk_blocks(
@@ -179,6 +187,8 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             show_progress=job.config.show_progress,
         )
         for visit in visits:
+            if job.rotation is not None:
+                job.rotation.fold(visit.module)
             schemes = job.assignment.for_block(visit.prefix)
             done = quantize_block(visit.module, visit.prefix, hidden, schemes, run)
             hidden = done.output

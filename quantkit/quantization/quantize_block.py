@@ -14,7 +14,8 @@ from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_pass import BlockPass, BlockSchemes
 from quantkit.quantization.dispatch import split_solvers, weight_solver
 from quantkit.quantization.memory import release_freed_memory
-from quantkit.quantization.records import RunRecord
+from quantkit.quantization.records import RunRecord, TuneRecord
+from quantkit.quantization.solvers.tune import tune_block
 from quantkit.quantization.staged_block import StagedBlock
 
 
@@ -43,6 +44,10 @@ def quantize_block(
     transforms, last = split_solvers(run.solvers)
     solver = weight_solver(last)
     out = QuantizedBlock({}, None)
+    tuning = run.tune is not None and run.tune.steps > 0
+    if tuning:  # the float block's own output is what tuning reproduces; the solve overwrites ``hidden``
+        inputs = hidden.clone()
+        targets = run.runner.run(block, hidden)
     for config, transform in transforms:
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
@@ -58,7 +63,33 @@ def quantize_block(
                 out.records.append(record)
     release_freed_memory()
     out.output = staged.output()
+    if tuning:
+        _tune(block, prefix, inputs, targets, out, run)
     return out
+
+
+def _tune(
+    block: nn.Module, prefix: str, inputs: torch.Tensor, targets: torch.Tensor, out: QuantizedBlock, run: BlockPass
+) -> None:
+    """Tune the solved block's rounding and scales to its float output; the block, its weights and its output
+    (the next block's input) become the tuned ones when they lower the error."""
+    assert run.tune is not None and run.runner is not None
+    weights, result = tune_block(
+        block,
+        run.runner,
+        inputs,
+        targets,
+        out.weights,
+        run.tune,
+        run.storage,
+        start_outputs=out.output,
+        keep_outputs=True,
+    )
+    for name, weight in weights.items():
+        write_back_dequantized(get_module(block, name), weight)
+    out.weights, out.output = weights, result.outputs
+    assert result.loss_before is not None and result.loss_after is not None
+    out.records.append(TuneRecord(prefix, result.loss_before, result.loss_after, result.steps, result.kept))
 
 
 def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, run: BlockPass) -> QuantizedBlock:

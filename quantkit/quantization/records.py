@@ -1,5 +1,5 @@
-"""What a quantization run records per linear (and per AWQ decision): kept in the work directory's state.json
-and in the checkpoint's ``quantkit_log.json``, one JSON object each, typed here."""
+"""What a quantization run records per linear (and per AWQ decision and tuned block): kept in the work
+directory's state.json and in the checkpoint's ``quantkit_log.json``, one JSON object each, typed here."""
 
 from __future__ import annotations
 
@@ -51,10 +51,33 @@ class AWQClipRecord:
         return {"name": self.name, "kind": self.KIND, "mean_shrink": self.mean_shrink}
 
 
-RunRecord = LayerRecord | AWQScaleRecord | AWQClipRecord
-_BY_KIND: dict[str, type[AWQScaleRecord] | type[AWQClipRecord]] = {
+@dataclass(slots=True)
+class TuneRecord:
+    """Block-output tuning of one block (``name``: its prefix): mean squared output errors on the calibration
+    windows before and after, and whether the tuned weights were kept. No timings: a resumed run's log must
+    equal an uninterrupted one's."""
+
+    KIND: ClassVar[str] = "tune"
+    name: str
+    loss_before: float
+    loss_after: float
+    steps: int
+    kept: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.KIND} | {
+            "loss_before": self.loss_before,
+            "loss_after": self.loss_after,
+            "steps": self.steps,
+            "kept": self.kept,
+        }
+
+
+RunRecord = LayerRecord | AWQScaleRecord | AWQClipRecord | TuneRecord
+_BY_KIND: dict[str, type[AWQScaleRecord] | type[AWQClipRecord] | type[TuneRecord]] = {
     AWQScaleRecord.KIND: AWQScaleRecord,
     AWQClipRecord.KIND: AWQClipRecord,
+    TuneRecord.KIND: TuneRecord,
 }
 
 

@@ -2,7 +2,8 @@
 
 Layout of ``<output>.partial/``: ``state.json`` (fingerprints, finished block count, the name of the next block's
 input, per-layer records), ``block_NNNN.safetensors`` (the checkpoint tensors of each finished block) and
-``hidden_NNNN.pt`` (the input of block NNNN, written by ``torch.save`` straight from the tensor's storage).
+``hidden_NNNN.pt`` (the input of block NNNN, written by ``torch.save`` straight from the tensor's storage) and, with
+a rotation, ``outer.safetensors`` (the rotated tensors outside the blocks, written before the first block).
 
 Every state change is one atomic, durable step: a file is written under a temporary name, flushed, renamed and
 its directory flushed; a block's tensors and its input for the next block get new names, and ``state.json``,
@@ -20,7 +21,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from quantkit.atomic import write_atomically, write_text
 from quantkit.errors import QuantkitError
@@ -30,6 +31,7 @@ from quantkit.quantization.records import LayerRecord, RunRecord, record_from_di
 STATE = "state.json"
 LEGACY_HIDDEN = "hidden.pt"  # the one input file of work directories written before per-block names
 SPILL = "down_inputs.spill"
+OUTER = "outer.safetensors"
 
 
 def partial_dir(output: Path) -> Path:
@@ -112,6 +114,21 @@ class WorkDir:
         if previous is not None and previous.name != name:
             previous.unlink(missing_ok=True)
 
+    @property
+    def has_outer(self) -> bool:
+        return bool(self.state.get("outer"))
+
+    def save_outer(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep the tensors outside the blocks (rotated once, at the start); the state names them last."""
+        contiguous = {k: v.contiguous() for k, v in tensors.items()}
+        write_atomically(self.path / OUTER, lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
+        self.state["outer"] = OUTER
+        self._write_state()
+        commit_point("outer-written")
+
+    def load_outer(self) -> dict[str, torch.Tensor]:
+        return load_file(str(self.path / OUTER)) if self.has_outer else {}
+
     def load_hidden(self) -> torch.Tensor:
         path = self._hidden_path()
         if path is None or not path.is_file():
@@ -132,6 +149,8 @@ class WorkDir:
     def _remove_unreferenced(self) -> None:
         """Files of steps that never committed: temporaries, blocks past ``finished``, superseded inputs."""
         keep = {STATE, SPILL, *(self.block_file(i).name for i in range(self.finished))}
+        if self.has_outer:
+            keep.add(OUTER)
         hidden = self._hidden_path()
         if hidden is not None:
             keep.add(hidden.name)

@@ -27,6 +27,7 @@ from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
 from quantkit.quantization.methods import METHODS, resolve_scheme
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.recipes.overrides import RecipeError, apply_overrides, env_substitution
+from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
 from quantkit.schemas.fields import FileModel, Regex, one_of
 from quantkit.schemas.located import LocatedDict, load_yaml
 from quantkit.schemas.validate import rule_error, validate
@@ -56,6 +57,7 @@ Bits = one_of(SUPPORTED_BITS)
 Mode = one_of(MODES)
 Method = one_of(METHODS)
 LayoutPolicy = one_of(LAYOUT_POLICIES)
+RotationKind = one_of(ROTATION_KINDS)
 OutputFormat = one_of(OUTPUT_FORMATS)
 
 
@@ -106,6 +108,9 @@ class QuantizationSection(FileModel):
     scheme: SchemeSection = Field(default_factory=SchemeSection)
     damp: float = Field(GPTQConfig.damp, ge=0, lt=1)
     ignore: list[Regex] = Field(default_factory=list)
+    rotate: RotationKind = RotationConfig().kind  # a rotation folded into the weights before solving
+    rotate_seed: int = RotationConfig().seed
+    tune_steps: int = Field(0, ge=0)  # block-output tuning steps per block (0: off)
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme
@@ -120,6 +125,9 @@ class QuantizationSection(FileModel):
                 "scheme",
             )
         return self
+
+    def rotation(self) -> RotationConfig:
+        return RotationConfig(kind=self.rotate, seed=self.rotate_seed)  # type: ignore[arg-type]
 
     def quant_scheme(self) -> QuantScheme:
         """The scheme to quantize with; options left null take the method's defaults."""

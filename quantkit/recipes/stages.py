@@ -16,6 +16,7 @@ from rich.console import Console
 from quantkit.atomic import write_json
 from quantkit.errors import QuantkitError
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.recipes.cache import checkpoint_hash, content_key, model_identity, recipe_cache_root
 from quantkit.recipes.report import StageRecord
 from quantkit.recipes.schema import Recipe
@@ -239,6 +240,8 @@ def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | N
         scheme=q.quant_scheme(),
         calibration_file=calib_path,
         ignore=list(q.ignore),
+        rotation=q.rotation(),
+        tune=TuneConfig(steps=q.tune_steps),
         layout_policy=q.layout_policy,
         export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),

@@ -56,6 +56,9 @@ SYMMETRIC = {
     "w4-g32": _rtn(4, 32, True),
     "w4-g64": _rtn(4, 64, True),
     "w4-channel": _rtn(4, -1, True),
+    "w3-g32": _rtn(3, 32, True),
+    "w3-g64": _rtn(3, 64, True),
+    "w2-g32": _rtn(2, 32, True),
     "w8-g64": _rtn(8, 64, True),
     "w8-channel": _rtn(8, -1, True),
     "gptq-w4-g64-static-actorder": ("gptq", resolve_scheme("gptq", bits=4, group_size=64)),
@@ -101,6 +104,14 @@ def test_symmetric_schemes_load_in_transformers(model_dir, calib, tmp_path, case
 def test_asymmetric_schemes_load_in_transformers(model_dir, calib, tmp_path, case):
     method, scheme = ASYMMETRIC[case]
     _assert_same_logits(_quantize(model_dir, calib, tmp_path / case, method, scheme))
+
+
+def test_a_rotated_checkpoint_loads_in_transformers(model_dir, calib, tmp_path):
+    from quantkit.rotation.config import RotationConfig
+
+    scheme = resolve_scheme("gptq", bits=3, group_size=32)
+    rotation = RotationConfig(kind="hadamard")
+    _assert_same_logits(_quantize(model_dir, calib, tmp_path / "rotated", "gptq", scheme, rotation=rotation))
 
 
 def test_a_mixed_plan_loads_in_transformers(model_dir, calib, tmp_path):

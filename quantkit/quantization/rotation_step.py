@@ -1,0 +1,85 @@
+"""Rotations in the layer-by-layer run (``--rotate``): the job's matrices, checked once before any work, each
+block folded as it is loaded, and the tensors outside the blocks (embedding, final norm, head) rotated once.
+
+The outer tensors are computed at the start of a run and kept in the work directory, so the calibration
+inputs (rows of the rotated embedding) and the checkpoint use the very same values, and a resumed run reuses
+them. A model whose head is tied to its embedding gets a separate head: the final norm's weight is folded into
+the head but not into the embedding, so the two matrices differ after rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional
+
+from quantkit.model.architectures import ArchSpec
+from quantkit.model.blocks import get_module
+from quantkit.model.source_weights import SourceWeights, build_skeleton, load_module, release_module
+from quantkit.rotation.config import RotationConfig, Rotations, rotations_for
+from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
+from quantkit.rotation.norms import check_rmsnorm
+
+
+@dataclass(slots=True)
+class JobRotation:
+    config: RotationConfig
+    matrices: Rotations
+    arch: ArchSpec
+    tied: bool  # the source ties its head to the embedding: the checkpoint gets an untied head
+
+    def fold(self, block: nn.Module) -> None:
+        """Fold the rotations into one loaded float block, in place."""
+        assert self.matrices.residual is not None
+        fold_block(block, self.arch, self.matrices.residual, self.matrices.head)
+
+    @property
+    def embed_name(self) -> str:
+        return f"{self.arch.embed_path}.weight"
+
+    @property
+    def head_name(self) -> str:
+        return f"{self.arch.lm_head_path}.weight"
+
+    def log(self) -> dict[str, object]:
+        """What the run log records about the rotation."""
+        return {"kind": self.config.kind, "seed": self.config.seed, "rotate_heads": self.config.rotate_heads}
+
+    def outer_tensors(self, weights: SourceWeights) -> dict[str, torch.Tensor]:
+        """The rotated embedding, the head with the final norm folded in, and the final norm's ones."""
+        residual = self.matrices.residual
+        assert residual is not None
+        norm_name = f"{self.arch.final_norm_path}.weight"
+        embed, norm = weights.get(self.embed_name), weights.get(norm_name)
+        head = embed if self.head_name not in weights else weights.get(self.head_name)
+        return {
+            self.embed_name: rotate_embedding(embed, residual),
+            self.head_name: rotate_head(head, norm, residual),
+            norm_name: torch.ones_like(norm),
+        }
+
+    def embed_inputs(self, outer: dict[str, torch.Tensor], input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The first block's input: rows of the rotated embedding, exactly as the checkpoint stores them."""
+        return functional.embedding(input_ids, outer[self.embed_name]).to(dtype)
+
+
+def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: SourceWeights) -> JobRotation | None:
+    """The rotation of a job (None for ``kind="none"``), checked against the model before any work: the first
+    block and the final norm must fold, or a QuantkitError names the module that blocks it."""
+    if config.kind == "none":
+        return None
+    skeleton = build_skeleton(source)
+    matrices = rotations_for(config, skeleton.config)
+    final_norm = get_module(skeleton, arch.final_norm_path)
+    load_module(final_norm, arch.final_norm_path, weights)
+    check_rmsnorm(final_norm, arch.final_norm_path)
+    first = f"{arch.layers_path}.0"
+    block = get_module(skeleton, first)
+    load_module(block, first, weights)
+    check_foldable(block, arch)
+    release_module(block)
+    tied = bool(getattr(skeleton.config, "tie_word_embeddings", False))
+    return JobRotation(config, matrices, arch, tied=tied or f"{arch.lm_head_path}.weight" not in weights)

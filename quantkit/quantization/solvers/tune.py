@@ -1,0 +1,348 @@
+"""AutoRound-style block-output tuning (Cheng et al., 2023): after a block's linears are quantized, adjust their
+integer rounding and group scales so that the quantized block reproduces the float block's output.
+
+Parametrisation (per linear, starting codes ``q0`` and scales ``s``; zero points stay fixed)::
+
+    codes = clamp(round_ste(q0 + V), qmin, qmax)        V in [-CODE_OFFSET, CODE_OFFSET], init 0
+    w     = (codes - zero) * (s * M)[:, group(k)]       M in SCALE_RANGE per group, init 1 (tune_scales)
+
+``round_ste`` rounds in the forward pass and passes the gradient straight through. ``q0`` is already an integer,
+so ``V`` must pass +-0.5 to move a code: with ``|V| <= 1`` a code can reach either grid neighbour (RTN and GPTQ
+codes lie within one step of the float weight), never two steps away. The codes are not re-rounded when ``M``
+moves, so ``M`` rescales a whole group's dequantized values; see :data:`SCALE_RANGE`.
+
+The loss is the mean squared error of the block's output (the float block's output on the same inputs as the
+target), on ``batch_windows`` calibration windows per step drawn with a seeded generator. Each step's loss is
+divided by the starting weights' loss on the same windows, so steps on different windows compare; the
+parameters of the best step are kept. At the end the returned weights (integer codes, scales rounded to the
+storage dtype: exactly what the checkpoint stores) are scored on all windows, and the starting weights are
+returned instead unless they score strictly lower, so tuning never increases the block's calibration error.
+
+Everything runs in float32 on the block's device, in the caller's thread settings; no global RNG is touched.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantizedWeight
+from quantkit.quantization.solvers.grid import _round_scale
+
+# |V| bound: codes move at most one grid step from their starting value (see the module docstring).
+CODE_OFFSET = 1.0
+# Bounds of the per-group scale multiplier M. The codes stay fixed while M moves, so M scales the whole group
+# (it is no range clipping as in AutoRound, where codes are re-rounded); the tuned multipliers measured on
+# SmolLM2-shaped blocks stay within a few percent of 1, so +-25% only stops a diverging step.
+SCALE_RANGE = (0.75, 1.25)
+
+SCALE_LR_RATIO = 1.0
+
+Optimizer = Literal["sign", "adam"]
+OPTIMIZERS: tuple[str, ...] = ("sign", "adam")
+
+
+class FunctionalRunner(Protocol):
+    """What tuning needs of :class:`quantkit.model.blocks.BlockRunner` (solvers import no model code)."""
+
+    batch_size: int
+
+    def functional(self, block: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
+        """The block on ``hidden`` [B, T, H] in float32, with ``params`` standing in for its tensors."""
+        ...
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """Block-output tuning of the rounding and scales (``steps=0``: off)."""
+
+    steps: int = 100
+    lr: float | None = None  # rounding offsets; None: 1 / steps (AutoRound's signed-gradient default)
+    scale_lr: float | None = None  # scale multipliers; None: SCALE_LR_RATIO * lr
+    batch_windows: int = 2  # calibration windows per step
+    tune_scales: bool = True
+    seed: int = 0
+    optimizer: Optimizer = "sign"  # "sign": signed gradient descent (AutoRound), "adam": Adam
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise QuantkitError(f"--tune-steps must be >= 0 (0 turns tuning off), got {self.steps}")
+        if self.batch_windows < 1:
+            raise QuantkitError(f"--tune-batch-windows must be >= 1, got {self.batch_windows}")
+        if self.lr is not None and not self.lr > 0:
+            raise QuantkitError(f"--tune-lr must be positive (or left unset for 1/steps), got {self.lr}")
+        if self.scale_lr is not None and not self.scale_lr > 0:
+            raise QuantkitError(f"--tune-scale-lr must be positive (or left unset), got {self.scale_lr}")
+        if self.optimizer not in OPTIMIZERS:
+            raise QuantkitError(f"unknown tuning optimizer {self.optimizer!r}; use one of {list(OPTIMIZERS)}")
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / max(self.steps, 1)
+
+    @property
+    def scale_learning_rate(self) -> float:
+        return self.scale_lr if self.scale_lr is not None else SCALE_LR_RATIO * self.learning_rate
+
+
+@dataclass(slots=True)
+class TuneResult:
+    """One block's tuning. Losses: mean squared block-output error over all calibration windows (None when
+    ``steps=0``, where nothing is evaluated)."""
+
+    loss_before: float | None  # starting weights
+    loss_after: float | None  # the returned weights: min(loss_before, loss_tuned)
+    loss_tuned: float | None  # the tuned weights, whether kept or not
+    steps: int  # optimisation steps run
+    best_step: int | None  # step whose parameters were kept (0: the starting point)
+    seconds: float
+    kept: bool  # the tuned weights are returned (else the starting ones)
+    history: list[float] = field(default_factory=list, repr=False)  # per step: batch loss / starting batch loss
+    outputs: torch.Tensor | None = field(default=None, repr=False)  # with keep_outputs: see tune_block
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-able summary (no history, no outputs)."""
+        return {f: getattr(self, f) for f in _SUMMARY_FIELDS}
+
+
+_SUMMARY_FIELDS = ("loss_before", "loss_after", "loss_tuned", "steps", "best_step", "seconds", "kept")
+
+
+class _TunedLinear:
+    """One linear's starting quantized weight and its learnable rounding offsets and scale multipliers."""
+
+    def __init__(self, start: QuantizedWeight, tune_scales: bool, device: torch.device) -> None:
+        self.start = start
+        self.qmin, self.qmax = start.scheme.qmin, start.scheme.qmax
+        # copies (float32, on the block's device): never inference tensors, so autograd may save them
+        self.q0 = start.qweight.to(device=device, dtype=torch.float32, copy=True)
+        self.scale = start.scale.to(device=device, dtype=torch.float32, copy=True)
+        self.groups = start.column_groups().to(device)
+        self.zero_cols = None if start.zero is None else start.zero.to(device).float()[:, self.groups]
+        self.offset = torch.zeros_like(self.q0, requires_grad=True)
+        self.mult = torch.ones_like(self.scale, requires_grad=True) if tune_scales else None
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [self.offset] if self.mult is None else [self.offset, self.mult]
+
+    def fake_weight(self) -> torch.Tensor:
+        """Differentiable float32 [N, K] weight: rounding with a straight-through gradient."""
+        x = self.q0 + self.offset
+        codes = (x + (torch.round(x) - x).detach()).clamp(self.qmin, self.qmax)
+        if self.zero_cols is not None:
+            codes = codes - self.zero_cols
+        scale = self.scale if self.mult is None else self.scale * self.mult
+        return codes * scale.index_select(1, self.groups)
+
+    def clip_(self) -> None:
+        with torch.no_grad():
+            self.offset.clamp_(-CODE_OFFSET, CODE_OFFSET)
+            if self.mult is not None:
+                self.mult.clamp_(*SCALE_RANGE)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in self.parameters()]
+
+    def quantized(self, state: list[torch.Tensor], storage: torch.dtype) -> QuantizedWeight:
+        """The integer weight for parameters ``state``: codes as in :meth:`fake_weight`, scales rounded to
+        ``storage`` (untuned scales are returned as they were)."""
+        device = self.start.qweight.device
+        codes = torch.round(self.q0 + state[0]).clamp_(self.qmin, self.qmax).to(device=device, dtype=torch.int8)
+        scale = self.start.scale
+        if self.mult is not None:
+            scale = _round_scale(self.scale * state[1], storage).to(device=scale.device, dtype=scale.dtype)
+        start = self.start
+        return QuantizedWeight(qweight=codes, scale=scale, zero=start.zero, g_idx=start.g_idx, scheme=start.scheme)
+
+
+def _frozen_params(block: nn.Module) -> dict[str, torch.Tensor]:
+    """The block's own tensors, detached (no gradient reaches the block); inference tensors are copied."""
+    return {
+        name: p.detach().clone() if p.is_inference() else p.detach()
+        for name, p in block.named_parameters(remove_duplicate=False)
+    }
+
+
+def window_losses(
+    block: nn.Module,
+    runner: FunctionalRunner,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    weights: dict[str, QuantizedWeight],
+) -> torch.Tensor:
+    """float64 [n]: each window's mean squared block-output error with the linears ``weights`` dequantized."""
+    return _evaluate(block, runner, inputs, targets, weights, keep_outputs=False)[0]
+
+
+def _evaluate(
+    block: nn.Module,
+    runner: FunctionalRunner,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    weights: dict[str, QuantizedWeight],
+    *,
+    keep_outputs: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-window losses (float64 [n]) of the block's outputs rounded to ``inputs``' dtype (as the next block
+    reads them), and with ``keep_outputs`` those outputs (the same mini-batches and arithmetic as
+    ``runner.run`` on a block holding the dequantized weights)."""
+    params = _frozen_params(block)
+    for name, weight in weights.items():
+        target = params[f"{name}.weight"]
+        params[f"{name}.weight"] = weight.dequantize(torch.float32).to(target.device)
+    losses = torch.empty(inputs.shape[0], dtype=torch.float64)
+    outputs = torch.empty(inputs.shape, dtype=inputs.dtype) if keep_outputs else None
+    with torch.no_grad():
+        for start in range(0, inputs.shape[0], runner.batch_size):
+            stop = start + runner.batch_size
+            out = runner.functional(block, params, inputs[start:stop]).to(inputs.dtype)
+            if outputs is not None:
+                outputs[start:stop] = out
+            losses[start:stop] = _output_losses(out, targets[start:stop])
+            del out
+    return losses, outputs
+
+
+def _output_losses(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """float64 [B] (on the CPU): each window's mean squared error of ``out`` (as stored) against ``targets``."""
+    err = (out.float() - targets.to(out.device, torch.float32)).square_()
+    return err.mean(dim=(1, 2)).double().cpu()
+
+
+def _stored_losses(outputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> torch.Tensor:
+    with torch.no_grad():
+        parts = [
+            _output_losses(outputs[i : i + batch_size], targets[i : i + batch_size])
+            for i in range(0, len(outputs), batch_size)
+        ]
+    return torch.cat(parts)
+
+
+def tune_block(
+    block: nn.Module,
+    runner: FunctionalRunner,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    weights: dict[str, QuantizedWeight],
+    config: TuneConfig,
+    storage: torch.dtype,
+    *,
+    start_outputs: torch.Tensor | None = None,
+    keep_outputs: bool = False,
+) -> tuple[dict[str, QuantizedWeight], TuneResult]:
+    """Tune the rounding (and scales) of ``weights`` to the block output; see the module docstring.
+
+    ``block``: the decoder layer (its linears' current weights are not used: ``weights`` replace them);
+    ``inputs`` [n, T, H]: its calibration inputs; ``targets`` [n, T, H]: the float block's outputs on them;
+    ``weights``: linear path relative to the block -> starting quantized weight; ``storage``: the dtype
+    the checkpoint stores scales in. Returns the weights to write (the tuned ones, or ``weights`` itself
+    when tuning did not lower the error) and what happened.
+
+    Two full forward passes can be saved: ``start_outputs`` [n, T, H], the block's outputs with the starting
+    weights when the caller has them already (e.g. the quantized block's output), replaces evaluating them;
+    with ``keep_outputs`` the result carries the block's outputs with the returned weights, in ``inputs``' dtype
+    (bit for bit what ``runner.run`` gives on a block holding them: the next block's input). With it, up to two
+    extra [n, T, H] buffers are held at a time.
+    """
+    began = time.perf_counter()
+    if config.steps == 0 or not weights:
+        return dict(weights), TuneResult(None, None, None, 0, None, time.perf_counter() - began, False)
+    if inputs.shape[0] != targets.shape[0] or inputs.shape[0] == 0:
+        raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} must pair windows")
+    device = next(iter(block.parameters())).device
+    with torch.inference_mode(False), torch.enable_grad():
+        if start_outputs is None:
+            start_losses, start_outputs = _evaluate(block, runner, inputs, targets, weights, keep_outputs=keep_outputs)
+        else:
+            if start_outputs.shape != inputs.shape:
+                raise ValueError(f"start_outputs {tuple(start_outputs.shape)} must match inputs {tuple(inputs.shape)}")
+            start_losses = _stored_losses(start_outputs, targets, runner.batch_size)
+        linears = {name: _TunedLinear(w, config.tune_scales, device) for name, w in weights.items()}
+        best_state, best_step, history = _optimise(block, runner, inputs, targets, linears, start_losses, config)
+        tuned = {name: lin.quantized(best_state[name], storage) for name, lin in linears.items()}
+        del linears, best_state
+        tuned_losses, tuned_outputs = _evaluate(block, runner, inputs, targets, tuned, keep_outputs=keep_outputs)
+    loss_before, loss_tuned = float(start_losses.mean()), float(tuned_losses.mean())
+    kept = loss_tuned < loss_before
+    result = TuneResult(
+        loss_before=loss_before,
+        loss_after=loss_tuned if kept else loss_before,
+        loss_tuned=loss_tuned,
+        steps=len(history),
+        best_step=best_step,
+        seconds=time.perf_counter() - began,
+        kept=kept,
+        history=history,
+        outputs=(tuned_outputs if kept else start_outputs) if keep_outputs else None,
+    )
+    return (tuned if kept else dict(weights)), result
+
+
+def _optimise(
+    block: nn.Module,
+    runner: FunctionalRunner,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    linears: dict[str, _TunedLinear],
+    start_losses: torch.Tensor,
+    config: TuneConfig,
+) -> tuple[dict[str, list[torch.Tensor]], int, list[float]]:
+    """The optimisation loop: the parameters of the step with the lowest relative batch loss (step 0: the
+    start), that step, and each step's relative batch loss."""
+    n = inputs.shape[0]
+    batch = min(config.batch_windows, n)
+    frozen = _frozen_params(block)
+    offsets = [lin.offset for lin in linears.values()]
+    mults = [lin.mult for lin in linears.values() if lin.mult is not None]
+    groups: list[dict[str, Any]] = [{"params": offsets, "lr": config.learning_rate}]
+    if mults:
+        groups.append({"params": mults, "lr": config.scale_learning_rate})
+    adam = torch.optim.Adam(groups) if config.optimizer == "adam" else None
+    gen = torch.Generator().manual_seed(config.seed)
+    order = torch.randperm(n, generator=gen)
+    cursor = 0
+    best_state = {name: lin.snapshot() for name, lin in linears.items()}
+    best_ratio, best_step = 1.0, 0
+    history: list[float] = []
+    device = next(iter(frozen.values())).device
+    for step in range(1, config.steps + 1):
+        if cursor + batch > n:  # a fresh pass over the windows
+            order, cursor = torch.randperm(n, generator=gen), 0
+        idx = order[cursor : cursor + batch]
+        cursor += batch
+        params = dict(frozen)
+        for name, lin in linears.items():
+            params[f"{name}.weight"] = lin.fake_weight()
+        out = runner.functional(block, params, inputs[idx].to(device))
+        if inputs.dtype != out.dtype:  # scored as stored, like the full-data losses; gradient straight through
+            out = out + (out.to(inputs.dtype).to(out.dtype) - out).detach()
+        loss = (out - targets[idx].to(device, torch.float32)).square().mean()
+        value, reference = float(loss.detach()), float(start_losses[idx].mean())
+        if not math.isfinite(value):
+            break
+        ratio = value / reference if reference > 0 else (1.0 if value == 0 else math.inf)
+        history.append(ratio)
+        if ratio < best_ratio:  # the parameters this loss was computed with
+            best_ratio, best_step = ratio, step
+            best_state = {name: lin.snapshot() for name, lin in linears.items()}
+        loss.backward()
+        del params, out, loss
+        with torch.no_grad():
+            if adam is not None:
+                adam.step()
+            else:
+                for group in groups:
+                    for p in group["params"]:
+                        p.sub_(p.grad.sign(), alpha=group["lr"])
+        for group in groups:
+            for p in group["params"]:
+                p.grad = None
+        for lin in linears.values():
+            lin.clip_()
+    return best_state, best_step, history

@@ -1,0 +1,169 @@
+"""Folding orthogonal rotations into a Llama-family decoder's float weights, one block at a time.
+
+With the residual stream rotated (x' = x Q, row vectors) and the RMSNorm weights absorbed into the linears that
+read the norms' outputs (weights become ones), every linear that reads the residual gets W' = W Q, every linear
+that writes it W' = Q^T W (bias' = bias Q), the embedding E' = E Q and the head W' = (W ⊙ w_final) Q. A per-head
+rotation R between v_proj and o_proj turns each kv head's rows of v_proj into R^T W_v[h] and each attention
+head's columns of o_proj into W_o[:, h] R. Everything is computed in float64, in row chunks, and stored back in
+the weights' dtype; nothing needs more than one block, so a model larger than memory can be streamed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from quantkit.errors import QuantkitError
+from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec
+from quantkit.model.blocks import get_module
+from quantkit.rotation.config import RotationConfig, rotations_for
+from quantkit.rotation.norms import check_rmsnorm
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+_CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of at most 32 MiB
+_V_PROJ = "v_proj"  # the qkv linear whose output rows the head rotation turns
+
+
+def rotate_rows(x: torch.Tensor, rotation: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(x ⊙ scale[None, :]) @ rotation for a 2-D ``x``, in float64 chunks of rows; result in x's dtype/device."""
+    rotation = rotation.to(device=x.device, dtype=torch.float64)
+    scale = None if scale is None else scale.detach().to(device=x.device, dtype=torch.float64)
+    out = torch.empty(x.shape[0], rotation.shape[1], dtype=x.dtype, device=x.device)
+    step = max(1, _CHUNK_ELEMENTS // max(1, x.shape[1]))
+    for start in range(0, x.shape[0], step):
+        rows = x[start : start + step].detach().to(torch.float64)
+        out[start : start + step] = ((rows if scale is None else rows * scale) @ rotation).to(x.dtype)
+    return out
+
+
+def rotate_embedding(weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The embedding [vocab, hidden] for the rotated residual stream: E Q."""
+    return rotate_rows(weight, residual)
+
+
+def rotate_head(head_weight: torch.Tensor, final_norm_weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """The lm_head [vocab, hidden] with the final norm's weight absorbed: (W ⊙ w_final) Q. The caller sets the
+    final norm's weight to ones; with tied embeddings ``head_weight`` is the original (unrotated) embedding and
+    the result must be stored as a separate, untied head."""
+    return rotate_rows(head_weight, residual, scale=final_norm_weight)
+
+
+def _norm_readers(arch: ArchSpec) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """(block norm, the linears that read its output): the qkv stage after norms[0], gate_up after norms[1]."""
+    return (arch.norms[0], arch.stage(QKV).linears), (arch.norms[1], arch.stage(GATE_UP).linears)
+
+
+def _residual_writers(arch: ArchSpec) -> tuple[str, ...]:
+    return arch.stage(O_PROJ).linears + arch.stage(DOWN).linears
+
+
+def _float_linear(block: nn.Module, path: str, hidden: int, dim: int) -> nn.Module:
+    """The linear at ``path``, checked to be a float [out, in] weight whose ``dim`` has the hidden size."""
+    try:
+        module = get_module(block, path)
+    except AttributeError:
+        raise QuantkitError(
+            f"cannot fold a rotation: the block has no module '{path}'; check the architecture"
+        ) from None
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2 or not weight.is_floating_point() or weight.is_meta:
+        raise QuantkitError(
+            f"cannot fold a rotation into '{path}': it is not a loaded float linear; fold rotations into the float "
+            "model before quantizing it"
+        )
+    if weight.shape[dim] != hidden:
+        side = "input" if dim == 1 else "output"
+        raise QuantkitError(
+            f"cannot fold a rotation into '{path}': its {side} size is {weight.shape[dim]}, not the hidden size "
+            f"{hidden}; check the architecture entry"
+        )
+    return module
+
+
+def check_foldable(block: nn.Module, arch: ArchSpec) -> None:
+    """Raise a QuantkitError naming the module that keeps rotations from folding into ``block``: a block norm
+    that is no RMSNorm, or a linear that is missing, quantized, or of the wrong shape."""
+    for norm_path in arch.norms[:2]:
+        try:
+            norm = get_module(block, norm_path)
+        except AttributeError:
+            raise QuantkitError(f"cannot fold a rotation: the block has no norm '{norm_path}'") from None
+        check_rmsnorm(norm, norm_path)
+    hidden = get_module(block, arch.norms[0]).weight.shape[0]
+    for _, readers in _norm_readers(arch):
+        for path in readers:
+            _float_linear(block, path, hidden, dim=1)
+    for path in _residual_writers(arch):
+        _float_linear(block, path, hidden, dim=0)
+
+
+def _rotate_heads(block: nn.Module, arch: ArchSpec, head: torch.Tensor) -> None:
+    """R^T W_v[h] for every kv head's rows of v_proj (bias b_h R), W_o[:, h] R for every head's columns of o_proj."""
+    d = head.shape[0]
+    attn_head_dim = getattr(get_module(block, arch.attn_path), "head_dim", d)
+    if attn_head_dim != d:
+        raise QuantkitError(f"the head rotation has size {d} but the attention's head_dim is {attn_head_dim}")
+    v_path = next((p for p in arch.stage(QKV).linears if p.rpartition(".")[2] == _V_PROJ), None)
+    if v_path is None:
+        raise QuantkitError(f"the {arch.family} qkv stage has no {_V_PROJ}; disable rotate_heads for it")
+    v, o = get_module(block, v_path), get_module(block, arch.stage(O_PROJ).head)
+    kv_out, hidden = v.weight.shape
+    if kv_out % d or o.weight.shape[1] % d:
+        raise QuantkitError(f"v_proj/o_proj sizes {kv_out}/{o.weight.shape[1]} are not multiples of head_dim {d}")
+    kv = kv_out // d
+    per_head = v.weight.reshape(kv, d, hidden).transpose(1, 2).reshape(kv * hidden, d)  # rows of W_v[h]^T
+    rotated = rotate_rows(per_head, head).view(kv, hidden, d).transpose(1, 2).reshape(kv_out, hidden)
+    v.weight.copy_(rotated)
+    if v.bias is not None:
+        v.bias.copy_(rotate_rows(v.bias.view(kv, d), head).view(-1))
+    o.weight.copy_(rotate_rows(o.weight.reshape(-1, d), head).reshape(o.weight.shape))
+
+
+def fold_block(block: nn.Module, arch: ArchSpec, residual: torch.Tensor, head: torch.Tensor | None = None) -> None:
+    """Fold the residual rotation (and the head rotation, if given) into one decoder block, in place: the two
+    block norms are absorbed into the linears that read them and set to ones. Per-head q/k norms (Qwen3) stay."""
+    check_foldable(block, arch)
+    with torch.no_grad():
+        for norm_path, readers in _norm_readers(arch):
+            norm = get_module(block, norm_path)
+            for path in readers:
+                linear = get_module(block, path)
+                linear.weight.copy_(rotate_rows(linear.weight, residual, scale=norm.weight))
+            norm.weight.fill_(1.0)
+        for path in _residual_writers(arch):
+            linear = get_module(block, path)
+            linear.weight.copy_(rotate_rows(linear.weight.T, residual).T)
+            if linear.bias is not None:
+                linear.bias.copy_(rotate_rows(linear.bias[None, :], residual)[0])
+        if head is not None:
+            _rotate_heads(block, arch, head)
+
+
+def rotate_model(model: PreTrainedModel, arch: ArchSpec, config: RotationConfig) -> bool:
+    """Fold ``config``'s rotations into an in-memory float model, in place. Returns whether the head had to be
+    untied from the embedding (then ``model.config.tie_word_embeddings`` is now False and lm_head has its own
+    parameter)."""
+    rotations = rotations_for(config, model.config)
+    if rotations.residual is None:
+        return False
+    final_norm = get_module(model, arch.final_norm_path)
+    check_rmsnorm(final_norm, arch.final_norm_path)
+    layers = list(get_module(model, arch.layers_path))
+    for layer in layers:  # refuse before anything has changed
+        check_foldable(layer, arch)
+    embed, lm_head = get_module(model, arch.embed_path), get_module(model, arch.lm_head_path)
+    tied = lm_head.weight is embed.weight or bool(getattr(model.config, "tie_word_embeddings", False))
+    with torch.no_grad():
+        head_weight = rotate_head(lm_head.weight, final_norm.weight, rotations.residual)
+        lm_head.weight = nn.Parameter(head_weight, requires_grad=lm_head.weight.requires_grad)
+        embed.weight.copy_(rotate_embedding(embed.weight, rotations.residual))
+        final_norm.weight.fill_(1.0)
+    for layer in layers:
+        fold_block(layer, arch, rotations.residual, rotations.head)
+    if tied:
+        model.config.tie_word_embeddings = False
+    return tied

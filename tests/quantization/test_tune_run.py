@@ -1,0 +1,73 @@
+"""``--tune-steps`` in the layer-by-layer run: every block's output error never grows, the run resumes to the
+same bytes, rotation and tuning combine, and bad values are refused before any work."""
+
+import json
+
+import pytest
+from cli_runner import run_cli
+
+from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantScheme
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.pipeline import quantize_model
+from quantkit.quantization.solvers.tune import TuneConfig
+from quantkit.rotation.config import RotationConfig
+
+SCHEME = QuantScheme(bits=3, group_size=32)
+TUNE = TuneConfig(steps=40, batch_windows=2)
+
+
+def _config(calib, **fields) -> QuantizeConfig:
+    fields.setdefault("tune", TUNE)
+    return QuantizeConfig.for_method(
+        "gptq", scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **fields
+    )
+
+
+def _tune_records(output) -> list[dict]:
+    log = json.loads((output / "quantkit_log.json").read_text())
+    return [r for r in log["layers"] if r.get("kind") == "tune"]
+
+
+def test_tuning_never_raises_a_blocks_error_and_lowers_some(tiny_model_dir, tiny_calib_file, tmp_path):
+    out = tmp_path / "tuned"
+    quantize_model(str(tiny_model_dir), _config(tiny_calib_file, rotation=RotationConfig("hadamard")), out)
+    records = _tune_records(out)
+    assert [r["name"] for r in records] == ["model.layers.0", "model.layers.1"]
+    assert all(r["loss_after"] <= r["loss_before"] and r["steps"] == TUNE.steps for r in records)
+    assert any(r["kept"] and r["loss_after"] < 0.99 * r["loss_before"] for r in records)
+
+
+def test_a_tuned_run_resumes_to_the_same_bytes(tiny_model_dir, tiny_calib_file, tmp_path):
+    whole = tmp_path / "whole"
+    quantize_model(str(tiny_model_dir), _config(tiny_calib_file), whole)
+
+    def stop_after_first(index: int) -> None:
+        if index == 0:
+            raise KeyboardInterrupt
+
+    resumed = tmp_path / "resumed"
+    with pytest.raises(KeyboardInterrupt):
+        quantize_model(str(tiny_model_dir), _config(tiny_calib_file), resumed, on_block_done=stop_after_first)
+    with pytest.raises(QuantkitError, match="method, scheme or solver options differ"):
+        quantize_model(str(tiny_model_dir), _config(tiny_calib_file, tune=TuneConfig(steps=3), resume=True), resumed)
+    quantize_model(str(tiny_model_dir), _config(tiny_calib_file, resume=True), resumed)
+    for name in ("model.safetensors", "quantkit_log.json"):
+        assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
+
+
+def test_round_to_nearest_with_tuning_draws_calibration(tiny_model_dir, tiny_calib_file, tmp_path):
+    config = QuantizeConfig.for_method(
+        "rtn", scheme=SCHEME, calibration_file=tiny_calib_file, tune=TUNE, show_progress=False
+    )
+    assert config.needs_calibration
+    quantize_model(str(tiny_model_dir), config, tmp_path / "rtn-tuned")
+    assert len(_tune_records(tmp_path / "rtn-tuned")) == 2
+
+
+def test_cli_refuses_negative_tuning_steps(tiny_model_dir, tiny_calib_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(tiny_calib_file), "--tune-steps", "-1"]
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and "--tune-steps must be >= 0" in " ".join(err.split())
+    assert not out.exists() and not (tmp_path / "out.partial").exists()

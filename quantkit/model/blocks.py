@@ -45,8 +45,10 @@ class BlockRunner:
         cos, sin = rotary(probe, positions)
         return cls((cos.float(), sin.float()), batch_size)
 
-    def _call_kwargs(self, seq_len: int) -> dict[str, object]:
+    def _call_kwargs(self, seq_len: int, for_autograd: bool = False) -> dict[str, object]:
         cos, sin = self.position_embeddings
+        if for_autograd and cos.is_inference():  # made under inference_mode: backward could not save them
+            cos, sin = cos.clone(), sin.clone()
         return {
             "attention_mask": None,
             "position_embeddings": (cos[:, :seq_len], sin[:, :seq_len]),
@@ -62,7 +64,7 @@ class BlockRunner:
         """Like :meth:`__call__`, with ``params`` (by parameter name relative to the block, e.g.
         ``"mlp.up_proj.weight"``) standing in for the block's own tensors during the call
         (:func:`torch.func.functional_call`; tensors not named keep the block's), so gradients reach them."""
-        kwargs = self._call_kwargs(hidden.shape[1])
+        kwargs = self._call_kwargs(hidden.shape[1], for_autograd=True)
         out = torch.func.functional_call(block, params, (hidden.float(),), kwargs)
         return out[0] if isinstance(out, tuple) else out
 

@@ -9,16 +9,22 @@ Parametrisation (per linear, starting codes ``q0`` and scales ``s``; zero points
 ``round_ste`` rounds in the forward pass and passes the gradient straight through. ``q0`` is already an integer,
 so ``V`` must pass +-0.5 to move a code: with ``|V| <= 1`` a code can reach either grid neighbour (RTN and GPTQ
 codes lie within one step of the float weight), never two steps away. The codes are not re-rounded when ``M``
-moves, so ``M`` rescales a whole group's dequantized values; see :data:`SCALE_RANGE`.
+moves, so ``M`` rescales a whole group's dequantized values.
 
-The loss is the mean squared error of the block's output (the float block's output on the same inputs as the
-target), on ``batch_windows`` calibration windows per step drawn with a seeded generator. Each step's loss is
-divided by the starting weights' loss on the same windows, so steps on different windows compare; the
-parameters of the best step are kept. At the end the returned weights (integer codes, scales rounded to the
-storage dtype: exactly what the checkpoint stores) are scored on all windows, and the starting weights are
-returned instead unless they score strictly lower, so tuning never increases the block's calibration error.
+The loss is the mean squared error of the block's output (the float block's output on the same inputs is the
+target), on ``batch_windows`` calibration windows per step drawn with a seeded generator, optimised by Adam
+(default) or signed gradient descent with learning rates decaying linearly to 0 (AutoRound's schedule). Each
+step's loss is divided by the starting weights' loss on the same windows, so steps on different windows
+compare, and the parameters of the best step are kept. At the end the returned weights (integer codes, scales
+rounded to the storage dtype: exactly what the checkpoint stores) are scored on all windows and returned only
+when they score strictly lower than the starting weights, so tuning never increases the block's calibration
+error. Losses are taken on outputs rounded to the inputs' dtype, as the next block reads them.
 
-Everything runs in float32 on the block's device, in the caller's thread settings; no global RNG is touched.
+Defaults, measured on SmolLM2-135M's blocks 0, 5 and 15 (real activations, W4 g64 sym from round-to-nearest,
+40 windows of 512 tokens): Adam lowered the block-output MSE by 72-77% in 100 steps, signed descent with the
+same learning rates by 60-76%; 100 steps of one window took about 9 s on 2 otherwise idle CPU cores.
+
+Everything runs in float32 on the block's device; no global RNG is touched; same inputs, same bits.
 """
 
 from __future__ import annotations
@@ -37,12 +43,15 @@ from quantkit.quantization.solvers.grid import _round_scale
 
 # |V| bound: codes move at most one grid step from their starting value (see the module docstring).
 CODE_OFFSET = 1.0
-# Bounds of the per-group scale multiplier M. The codes stay fixed while M moves, so M scales the whole group
-# (it is no range clipping as in AutoRound, where codes are re-rounded); the tuned multipliers measured on
-# SmolLM2-shaped blocks stay within a few percent of 1, so +-25% only stops a diverging step.
+# Bounds of the per-group scale multiplier M (it stops a diverging step; it is no clipping search). Tuned
+# multipliers on SmolLM2's blocks had 1st / 99th percentiles of 0.81-0.88 / 1.10-1.16; with bounds of +-50%
+# the loss changed by under 1%.
 SCALE_RANGE = (0.75, 1.25)
-
-SCALE_LR_RATIO = 1.0
+# Default learning rates, per step at the start of the linear decay. Offsets: 2 / steps, so that V can travel
+# the whole [0, 1] once (AutoRound's 1 / steps covers its half-width range [-0.5, 0.5] the same way; with
+# 1 / steps and decay no code moved and the loss reduction fell from 76% to 62%). Scales: 1 / steps.
+OFFSET_LR_STEPS = 2.0
+SCALE_LR_STEPS = 1.0
 
 Optimizer = Literal["sign", "adam"]
 OPTIMIZERS: tuple[str, ...] = ("sign", "adam")
@@ -60,15 +69,19 @@ class FunctionalRunner(Protocol):
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """Block-output tuning of the rounding and scales (``steps=0``: off)."""
+    """Block-output tuning of the rounding and scales (``steps=0``: off).
+
+    Defaults fit SmolLM2-135M's 30 blocks in about 5 minutes on 2 CPU cores (40 windows of 512 tokens); more
+    windows per step lower the loss a little more per step at a higher cost per step.
+    """
 
     steps: int = 100
-    lr: float | None = None  # rounding offsets; None: 1 / steps (AutoRound's signed-gradient default)
-    scale_lr: float | None = None  # scale multipliers; None: SCALE_LR_RATIO * lr
-    batch_windows: int = 2  # calibration windows per step
+    lr: float | None = None  # rounding offsets V; None: OFFSET_LR_STEPS / steps
+    scale_lr: float | None = None  # scale multipliers M; None: SCALE_LR_STEPS / steps
+    batch_windows: int = 1  # calibration windows per step
     tune_scales: bool = True
     seed: int = 0
-    optimizer: Optimizer = "sign"  # "sign": signed gradient descent (AutoRound), "adam": Adam
+    optimizer: Optimizer = "adam"  # "adam" or "sign" (signed gradient descent, as AutoRound)
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -76,19 +89,19 @@ class TuneConfig:
         if self.batch_windows < 1:
             raise QuantkitError(f"--tune-batch-windows must be >= 1, got {self.batch_windows}")
         if self.lr is not None and not self.lr > 0:
-            raise QuantkitError(f"--tune-lr must be positive (or left unset for 1/steps), got {self.lr}")
+            raise QuantkitError(f"--tune-lr must be positive (or left unset for 2/steps), got {self.lr}")
         if self.scale_lr is not None and not self.scale_lr > 0:
-            raise QuantkitError(f"--tune-scale-lr must be positive (or left unset), got {self.scale_lr}")
+            raise QuantkitError(f"--tune-scale-lr must be positive (or left unset for 1/steps), got {self.scale_lr}")
         if self.optimizer not in OPTIMIZERS:
             raise QuantkitError(f"unknown tuning optimizer {self.optimizer!r}; use one of {list(OPTIMIZERS)}")
 
     @property
     def learning_rate(self) -> float:
-        return self.lr if self.lr is not None else 1.0 / max(self.steps, 1)
+        return self.lr if self.lr is not None else OFFSET_LR_STEPS / max(self.steps, 1)
 
     @property
     def scale_learning_rate(self) -> float:
-        return self.scale_lr if self.scale_lr is not None else SCALE_LR_RATIO * self.learning_rate
+        return self.scale_lr if self.scale_lr is not None else SCALE_LR_STEPS / max(self.steps, 1)
 
 
 @dataclass(slots=True)
@@ -103,6 +116,7 @@ class TuneResult:
     best_step: int | None  # step whose parameters were kept (0: the starting point)
     seconds: float
     kept: bool  # the tuned weights are returned (else the starting ones)
+    codes_changed: float = 0.0  # fraction of the returned integer codes that differ from the starting ones
     history: list[float] = field(default_factory=list, repr=False)  # per step: batch loss / starting batch loss
     outputs: torch.Tensor | None = field(default=None, repr=False)  # with keep_outputs: see tune_block
 
@@ -111,7 +125,7 @@ class TuneResult:
         return {f: getattr(self, f) for f in _SUMMARY_FIELDS}
 
 
-_SUMMARY_FIELDS = ("loss_before", "loss_after", "loss_tuned", "steps", "best_step", "seconds", "kept")
+_SUMMARY_FIELDS = ("loss_before", "loss_after", "loss_tuned", "steps", "best_step", "seconds", "kept", "codes_changed")
 
 
 class _TunedLinear:
@@ -267,9 +281,13 @@ def tune_block(
         best_state, best_step, history = _optimise(block, runner, inputs, targets, linears, start_losses, config)
         tuned = {name: lin.quantized(best_state[name], storage) for name, lin in linears.items()}
         del linears, best_state
-        tuned_losses, tuned_outputs = _evaluate(block, runner, inputs, targets, tuned, keep_outputs=keep_outputs)
-    loss_before, loss_tuned = float(start_losses.mean()), float(tuned_losses.mean())
+        loss_before = float(start_losses.mean())
+        loss_tuned, tuned_outputs = loss_before, None
+        if best_step > 0:  # else no step beat the start: nothing new to score
+            tuned_losses, tuned_outputs = _evaluate(block, runner, inputs, targets, tuned, keep_outputs=keep_outputs)
+            loss_tuned = float(tuned_losses.mean())
     kept = loss_tuned < loss_before
+    changed = sum(int((tuned[n].qweight != w.qweight).sum()) for n, w in weights.items())
     result = TuneResult(
         loss_before=loss_before,
         loss_after=loss_tuned if kept else loss_before,
@@ -278,6 +296,7 @@ def tune_block(
         best_step=best_step,
         seconds=time.perf_counter() - began,
         kept=kept,
+        codes_changed=changed / sum(w.qweight.numel() for w in weights.values()) if kept else 0.0,
         history=history,
         outputs=(tuned_outputs if kept else start_outputs) if keep_outputs else None,
     )
@@ -304,6 +323,9 @@ def _optimise(
     if mults:
         groups.append({"params": mults, "lr": config.scale_learning_rate})
     adam = torch.optim.Adam(groups) if config.optimizer == "adam" else None
+    if adam is not None:
+        groups = adam.param_groups  # the dicts whose "lr" Adam reads
+    base_lrs = [group["lr"] for group in groups]
     gen = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(n, generator=gen)
     cursor = 0
@@ -312,6 +334,8 @@ def _optimise(
     history: list[float] = []
     device = next(iter(frozen.values())).device
     for step in range(1, config.steps + 1):
+        for group, base in zip(groups, base_lrs, strict=True):  # linear decay to 0 (AutoRound's schedule)
+            group["lr"] = base * (1.0 - (step - 1) / config.steps)
         if cursor + batch > n:  # a fresh pass over the windows
             order, cursor = torch.randperm(n, generator=gen), 0
         idx = order[cursor : cursor + batch]
@@ -339,7 +363,8 @@ def _optimise(
             else:
                 for group in groups:
                     for p in group["params"]:
-                        p.sub_(p.grad.sign(), alpha=group["lr"])
+                        if p.grad is not None:
+                            p.sub_(p.grad.sign(), alpha=group["lr"])
         for group in groups:
             for p in group["params"]:
                 p.grad = None

@@ -71,7 +71,7 @@ def test_tuning_lowers_block_output_error(setup) -> None:
     # the recorded losses are those of the weights as written (dequantized from codes and stored scales)
     assert result.loss_before == pytest.approx(before, rel=1e-6)
     assert result.loss_after == pytest.approx(after, rel=1e-6)
-    assert after < 0.8 * before  # measured: about 0.55x
+    assert after < 0.8 * before  # measured: about 0.67x
 
 
 @pytest.mark.parametrize("optimizer", ["sign", "adam"])
@@ -179,9 +179,8 @@ def test_deterministic(setup, optimizer: str) -> None:
     second = tune_block(block, runner, inputs, targets, start, config, torch.bfloat16)
     assert torch.equal(torch.random.get_rng_state(), global_rng)  # the global generator is left alone
     assert _same(first, second)
-    other_seed = tune_block(
-        block, runner, inputs, targets, start, TuneConfig(steps=20, batch_windows=3, seed=6), torch.bfloat16
-    )
+    other = TuneConfig(steps=20, batch_windows=3, optimizer=optimizer, seed=6)
+    other_seed = tune_block(block, runner, inputs, targets, start, other, torch.bfloat16)
     assert first[1].history != other_seed[1].history  # the seed draws the windows
 
 
@@ -211,11 +210,13 @@ def test_caller_outputs_save_forward_passes(setup) -> None:
 
 
 def test_runs_inside_inference_mode(setup) -> None:
+    """Inputs, targets, weights and rotary tables all made under inference_mode, and the call made there too."""
     block, runner, inputs, targets = setup
     with torch.inference_mode():
         inf_inputs, inf_targets = inputs.clone(), targets.clone()
+        inf_runner = BlockRunner(tuple(t.clone() for t in runner.position_embeddings), runner.batch_size)
         start = _start(block, W3)
-        _, result = tune_block(block, runner, inf_inputs, inf_targets, start, TuneConfig(steps=10), torch.bfloat16)
+        _, result = tune_block(block, inf_runner, inf_inputs, inf_targets, start, TuneConfig(steps=10), torch.bfloat16)
     assert result.steps == 10 and result.loss_after <= result.loss_before
 
 
@@ -234,7 +235,16 @@ def test_zero_steps_returns_the_start(setup) -> None:
     weights, result = tune_block(block, runner, inputs, targets, start, TuneConfig(steps=0), torch.bfloat16)
     assert all(weights[name] is start[name] for name in LINEARS)
     assert result.steps == 0 and not result.kept and result.loss_before is None
-    assert set(result.to_dict()) == {"loss_before", "loss_after", "loss_tuned", "steps", "best_step", "seconds", "kept"}
+    assert set(result.to_dict()) == {
+        "loss_before",
+        "loss_after",
+        "loss_tuned",
+        "steps",
+        "best_step",
+        "seconds",
+        "kept",
+        "codes_changed",
+    }
 
 
 @pytest.mark.parametrize(
@@ -243,6 +253,7 @@ def test_zero_steps_returns_the_start(setup) -> None:
         ({"steps": -1}, "--tune-steps"),
         ({"batch_windows": 0}, "--tune-batch-windows"),
         ({"lr": 0.0}, "--tune-lr"),
+        ({"scale_lr": -1.0}, "--tune-scale-lr"),
         ({"optimizer": "sgd"}, "optimizer"),
     ],
 )
@@ -251,6 +262,8 @@ def test_invalid_config(kwargs: dict[str, object], flag: str) -> None:
         TuneConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_learning_rate() -> None:
-    assert TuneConfig(steps=40).learning_rate == pytest.approx(1 / 40)
-    assert TuneConfig(steps=40, lr=0.3).learning_rate == 0.3
+def test_default_learning_rates() -> None:
+    assert TuneConfig(steps=40).learning_rate == pytest.approx(2 / 40)
+    assert TuneConfig(steps=40).scale_learning_rate == pytest.approx(1 / 40)
+    assert TuneConfig(steps=40, lr=0.3, scale_lr=0.2).learning_rate == 0.3
+    assert TuneConfig(steps=40, lr=0.3, scale_lr=0.2).scale_learning_rate == 0.2

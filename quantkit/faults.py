@@ -11,8 +11,10 @@ from collections import Counter
 
 POINTS = (
     "block-written",  # a finished block's tensors renamed into the work directory
+    "outer-written",  # with rotation: the rotated embedding and head renamed into the work directory
     "hidden-written",  # the next block's input renamed into the work directory
-    "state-written",  # state.json naming both renamed into place
+    "reference-written",  # with tuning: the float model's input to the next block renamed into place
+    "state-written",  # state.json naming them renamed into place
     "checkpoint-staged",  # the checkpoint complete under its temporary name, not yet renamed
     "checkpoint-written",  # the checkpoint directory renamed into place
     "work-dir-retired",  # the work directory renamed away for removal

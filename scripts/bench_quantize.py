@@ -7,6 +7,7 @@ original model's perplexity as the baseline row and each RTN row's gap closed by
     python scripts/bench_quantize.py                     # the full matrix (long on 2 CPU cores)
     python scripts/bench_quantize.py --only w4-g64-sym --methods rtn,gptq --eval-windows 20
     python scripts/bench_quantize.py --matrix frontier --samples 40    # W4/W3 schemes with rotation and tuning
+    python scripts/bench_quantize.py --matrix calibration              # W4 g64 calibrated on three texts
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Case:
     mse_clip: bool = False
     rotate: bool = False
     tune_steps: int = 0
+    dataset: str | None = None  # calibration text (None: the default, Austen prose)
 
     @property
     def storage(self) -> str:
@@ -52,6 +54,7 @@ class Case:
             + solver
             + ("-rot" if self.rotate else "")
             + (f"-tune{self.tune_steps}" if self.tune_steps else "")
+            + (f" [{Path(self.dataset).stem}]" if self.dataset else "")
         )
 
     def args(self) -> list[str]:
@@ -89,10 +92,30 @@ def frontier(tune_steps: int) -> list[Case]:
     return cases
 
 
+# Calibration robustness: the same scheme calibrated on three texts, evaluated on the same held-out Persuasion.
+CALIBRATION_TEXTS = ("austen_calibration.jsonl", "austen_chat.jsonl", "melville_mobydick.jsonl")
+CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
+
+
+def calibration(tune_steps: int, rotate: bool) -> list[Case]:
+    """W4 g64 sym, GPTQ default (with the frontier's rotation and tuning choice), once per calibration text."""
+    return [
+        Case("gptq", 4, 64, True, True, True, rotate=rotate, tune_steps=tune_steps, dataset=str(CALIBRATION_DIR / t))
+        for t in CALIBRATION_TEXTS
+    ]
+
+
 def quantize(case: Case, model: str, out: Path, samples: int, seq_len: int) -> dict:
     summary = out.with_suffix(".json")
     cmd = [sys.executable, "-m", "quantkit", "quantize", model, "-o", str(out), "--force", "--json", str(summary)]
-    cmd += ["--num-samples", str(samples), "--seq-len", str(seq_len), *case.args()]
+    if case.dataset:  # windows from that text, drawn as quantize draws them from the shipped corpus
+        calib = out.with_suffix(".calib.safetensors")
+        windows = ["--num-samples", str(samples), "--seq-len", str(seq_len)]
+        make = [sys.executable, "-m", "quantkit", "calibrate", "--model", model, "--dataset", case.dataset, *windows]
+        subprocess.run([*make, "-o", str(calib)], check=True, stdout=subprocess.DEVNULL)
+        cmd += ["--calib", str(calib), *case.args()]
+    else:
+        cmd += ["--num-samples", str(samples), "--seq-len", str(seq_len), *case.args()]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return json.loads(summary.read_text())
 
@@ -101,8 +124,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--methods", default="rtn,gptq", help="comma list of rtn, gptq, awq, awq+gptq")
-    parser.add_argument("--matrix", choices=("methods", "frontier"), default="methods")
-    parser.add_argument("--tune-steps", type=int, default=TuneConfig().steps, help="frontier: tuning steps per block")
+    parser.add_argument("--matrix", choices=("methods", "frontier", "calibration"), default="methods")
+    parser.add_argument(
+        "--tune-steps", type=int, default=TuneConfig().steps, help="frontier, calibration: tuning steps per block"
+    )
+    parser.add_argument("--no-rotate", action="store_true", help="calibration: without the Hadamard rotation")
     parser.add_argument("--only", default=None, help="comma list of scheme names, e.g. w4-g64-sym,w8-ch-sym")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -110,7 +136,12 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
     args = parser.parse_args()
     methods = args.methods.split(",")
-    cases = matrix(methods) if args.matrix == "methods" else frontier(args.tune_steps)
+    if args.matrix == "methods":
+        cases = matrix(methods)
+    elif args.matrix == "frontier":
+        cases = frontier(args.tune_steps)
+    else:
+        cases = calibration(args.tune_steps, rotate=not args.no_rotate)
     if args.only:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c.scheme in wanted]

@@ -4,18 +4,34 @@ from __future__ import annotations
 
 import errno
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperGroup
 
 from quantkit import __version__
 from quantkit.errors import QuantkitError
 
+
+class _Commands(TyperGroup):
+    """The root group: Ctrl-C inside a command becomes one line saying how far it got, and exit 130 (typer alone
+    would exit 130 silently)."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as exc:
+            report_interrupt(exc)
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
 app = typer.Typer(
     name="quantkit",
+    cls=_Commands,
     help="Quantize Hugging Face causal LMs (RTN, GPTQ, AWQ, mixed precision), evaluate and serve them.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -61,11 +77,20 @@ def fail(lines: list[str], label: str) -> None:
 
 
 def main() -> None:
-    """Console entry point: user errors become one red line and exit code 2, never a traceback."""
+    """Console entry point: user errors (a missing extra among them) become one red line and exit code 2, Ctrl-C
+    one line saying how far the work got and exit 130; never a traceback."""
+    from quantkit.extras import missing_extra_error
+
     try:
         app()
     except QuantkitError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        sys.exit(EXIT_INPUT_ERROR)
+    except ModuleNotFoundError as exc:
+        missing = missing_extra_error(exc, _command_name())
+        if missing is None:
+            raise
+        err.print(f"[bold red]error:[/] {escape(str(missing))}", soft_wrap=True)
         sys.exit(EXIT_INPUT_ERROR)
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
@@ -77,6 +102,29 @@ def main() -> None:
             soft_wrap=True,
         )
         sys.exit(EXIT_INPUT_ERROR)
-    except KeyboardInterrupt:
-        err.print("[bold red]interrupted[/]")
+    except KeyboardInterrupt as exc:  # outside a command (while parsing); inside one, _Commands reports it
+        report_interrupt(exc)
         sys.exit(EXIT_INTERRUPTED)
+
+
+def report_interrupt(exc: KeyboardInterrupt) -> None:
+    """``interrupted``, or with a job's progress: ``interrupted after block 11/30; rerun with --resume ...``."""
+    from quantkit.progress import Interrupted
+
+    message = exc.message() if isinstance(exc, Interrupted) else "interrupted"
+    err.print(f"[bold red]{escape(message)}[/]", soft_wrap=True)
+
+
+def _command_name() -> str | None:
+    """The command being run (``quantkit serve``, ``quantkit recipe validate``), read from the command line."""
+    from typer.main import get_command
+
+    command: Any = get_command(app)
+    words = ["quantkit"]
+    for arg in sys.argv[1:]:
+        commands = getattr(command, "commands", None)
+        if not isinstance(commands, Mapping) or arg not in commands:
+            break
+        command = commands[arg]
+        words.append(arg)
+    return " ".join(words) if len(words) > 1 else None

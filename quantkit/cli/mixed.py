@@ -6,11 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from quantkit.cli.app import app, err, out
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
+from quantkit.mixed.measurement import MODE_HELP
 from quantkit.mixed.sensitivity import SensitivityConfig
 
 
@@ -22,10 +22,7 @@ def sensitivity(
     candidates: Annotated[
         str, typer.Option(help="Comma list of candidates, e.g. int4-g128,int4-g64,int4-g32,int8,fp16.")
     ] = ",".join(DEFAULT_CANDIDATES),
-    mode: Annotated[
-        str,
-        typer.Option(help="proxy (Hessian-weighted error), kl (final-logit KL, slow) or hybrid (proxy scaled to KL)."),
-    ] = SensitivityConfig.mode,
+    mode: Annotated[str, typer.Option(help=MODE_HELP)] = SensitivityConfig.mode,
     num_samples: Annotated[
         int, typer.Option(help="Without --calib: windows from the shipped corpus.")
     ] = CalibrationConfig.num_samples,
@@ -40,8 +37,12 @@ def sensitivity(
         bool, typer.Option(help="Solve candidates with Hessian-weighted MSE clipping.")
     ] = SensitivityConfig.mse_clip,
 ) -> None:
-    """Measure each layer's error under each candidate scheme (reusable for any budget)."""
+    """Measure each layer's error under each candidate scheme (reusable for any budget).
+
+    The default mode, hybrid, gives plans that beat uniform schemes; --mode proxy is the fast option.
+    """
     from quantkit.mixed.sensitivity import measure_sensitivity
+    from quantkit.mixed.summary import render_summary, summarize
 
     config = SensitivityConfig(
         candidates=[c.strip() for c in candidates.split(",") if c.strip()],
@@ -53,26 +54,8 @@ def sensitivity(
         calibration_file=calib,
     )
     measurement = measure_sensitivity(model, config, output)
-    table = Table(title=f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}")
-    table.add_column("candidate")
-    table.add_column("units", justify="right")
-    table.add_column("bits/weight", justify="right")
-    table.add_column("total error", justify="right")
-    table.add_column("worst unit", justify="left")
-    for name in measurement.candidates:  # a candidate no engine loads for a unit is not measured there
-        units = [u for u in measurement.units if name in u.options]
-        if not units:
-            table.add_row(name, "0", "-", "-", "no unit can hold it")
-            continue
-        worst = max(units, key=lambda u: u.options[name].error)
-        table.add_row(
-            name,
-            f"{len(units)}/{len(measurement.units)}",
-            f"{sum(u.options[name].bits for u in units) / sum(u.params for u in units):.3f}",
-            f"{sum(u.options[name].error for u in units):.4g}",
-            worst.name,
-        )
-    out.print(table)
+    title = f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}"
+    out.print(render_summary(summarize(measurement), title))
 
 
 @app.command()
@@ -82,15 +65,16 @@ def plan(
     target_bits: Annotated[
         float | None, typer.Option(help="Average bits per weight over the measured linears.")
     ] = None,
-    max_size_mb: Annotated[float | None, typer.Option(help="Size of the measured linears, in MB (1e6 bytes).")] = None,
+    max_size_mb: Annotated[float | None, typer.Option(help="Size of the measured linears, in MB (10^6 bytes).")] = None,
     pin: Annotated[list[str] | None, typer.Option(help="REGEX=CANDIDATE forcing matching units (repeatable).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Draw predicted error against bits per weight to this PNG.")] = None,
 ) -> None:
     """Choose a scheme per unit minimising the predicted error under a bit budget (exact)."""
     from quantkit.errors import QuantkitError
+    from quantkit.mixed.candidates import FP16
     from quantkit.mixed.measurement import load_measurement
-    from quantkit.mixed.plan_file import render_plan, save_plan
-    from quantkit.mixed.planner import parse_pin
+    from quantkit.mixed.plan_file import render_plan, render_uniform_comparison, save_plan
+    from quantkit.mixed.planner import parse_pin, uniform_points
     from quantkit.mixed.planner import plan as make_plan
 
     if (target_bits is None) == (max_size_mb is None):
@@ -99,10 +83,14 @@ def plan(
     chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=[parse_pin(p) for p in pin or []])
     save_plan(chosen, output)
     out.print(render_plan(chosen))
+    uniform = [p for p in uniform_points(loaded) if p.candidate != FP16]
+    if uniform:
+        out.print(render_uniform_comparison(chosen, uniform))
     if loaded.mode == "proxy":
         err.print(
-            "note: proxy errors rank a layer's own candidates but are not comparable across layers; below ~5 bits "
-            "per weight a plan from `quantkit sensitivity --mode hybrid` beats uniform schemes where proxy plans lost"
+            "note: this measurement is proxy mode (the fast option): proxy errors rank a layer's own candidates but "
+            "are not comparable across layers; below ~5 bits per weight a plan from the default "
+            "`quantkit sensitivity` (--mode hybrid) beats uniform schemes where proxy plans lost"
         )
     if plot is not None:
         from quantkit.mixed.plot import plot_frontier

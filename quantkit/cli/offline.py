@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from quantkit.cli.app import JsonOption, ModelOption, app, err, out, write_json_option
-from quantkit.data.calibration import CalibrationConfig
+from quantkit.data.calibration import FORCE_SMALL_FLAG, MIN_TEXT_COVERAGE, CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS
 from quantkit.format.engines import LAYOUT_POLICY_HELP
@@ -24,6 +28,26 @@ from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
 NumSamples = Annotated[int, typer.Option(help="Number of windows.")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.")]
 TextColumn = Annotated[str, typer.Option(help="Text field of jsonl/json/parquet/HF records.")]
+AllowSmallCalibration = Annotated[
+    bool,
+    typer.Option(
+        FORCE_SMALL_FLAG,
+        help=f"Use a text that covers under {MIN_TEXT_COVERAGE:.0%} of the requested tokens (windows overlap).",
+    ),
+]
+
+
+@contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Python warnings raised inside (a short calibration text, a layer that fell back to RTN) as one yellow
+    line each on stderr, instead of a file:line header and source excerpt."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        err.print(f"[bold yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
 
 
 @app.command()
@@ -47,6 +71,7 @@ def calibrate(
         str, typer.Option(help="random, or diverse (TF-IDF + k-means coverage).")
     ] = CalibrationConfig.select,
     text_column: TextColumn = CalibrationConfig.text_column,
+    allow_small_calibration: AllowSmallCalibration = CalibrationConfig.allow_small,
 ) -> None:
     """Collect calibration token windows (default text: the shipped Jane Austen corpus)."""
     from quantkit.data.calibration import build_calibration
@@ -60,11 +85,13 @@ def calibrate(
         min_length=min_length,
         select=select,
         text_column=text_column,
+        allow_small=allow_small_calibration,
     )
-    result = build_calibration(model, config, output=output)
-    table = Table(title="Calibration")
-    table.add_column("field")
-    table.add_column("value")
+    with warnings_as_lines():
+        result = build_calibration(model, config, output=output)
+    table = Table(title="Calibration", title_justify="left")
+    table.add_column("field", overflow="fold")
+    table.add_column("value", overflow="fold")
     meta = result.calibration.metadata
     for key, value in (
         ("output", str(output)),
@@ -89,21 +116,29 @@ def eval_(
     max_windows: Annotated[
         int | None, typer.Option(help="Evaluate at most this many windows.")
     ] = EvalConfig.max_windows,
+    all_windows: Annotated[
+        bool, typer.Option(help="Evaluate every window of the text (instead of --max-windows).")
+    ] = False,
     stride: Annotated[int | None, typer.Option(help="Window stride (default: non-overlapping).")] = EvalConfig.stride,
     reference: Annotated[
-        str | None, typer.Option(help="Reference model for KL divergence and top-1 agreement.")
+        str | None,
+        typer.Option(help="Reference model: its perplexity, the change in percent, KL divergence, top-1 agreement."),
     ] = EvalConfig.reference,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass.")] = EvalConfig.batch_size,
+    batch_size: Annotated[
+        int, typer.Option(help="Windows per forward pass (each holds its logits while scored).")
+    ] = EvalConfig.batch_size,
     text_column: TextColumn = EvalConfig.text_column,
     json_out: JsonOption = None,
 ) -> None:
-    """Perplexity, and with --reference: KL divergence (mean, p99) and top-1 agreement."""
+    """Perplexity, and with --reference: the reference's perplexity and the change in percent, KL divergence
+    (mean, p99) and top-1 agreement."""
     from quantkit.eval.evaluate import evaluate
+    from quantkit.eval.report import eval_table
 
     config = EvalConfig(
         dataset=dataset,
         seq_len=seq_len,
-        max_windows=max_windows,
+        max_windows=None if all_windows else max_windows,
         stride=stride,
         reference=reference,
         batch_size=batch_size,
@@ -111,24 +146,7 @@ def eval_(
     )
     result = evaluate(model, config)
     write_json_option(json_out, result.to_dict())
-    table = Table(title=f"Evaluation of {model}")
-    for column in ("perplexity", "tokens", "windows", "seq len", "KL mean", "KL p99", "top-1 agree", "seconds"):
-        table.add_column(column, justify="right")
-
-    def fmt(value: float | None, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
-
-    table.add_row(
-        f"{result.perplexity:.3f}",
-        f"{result.tokens:,}",
-        str(result.windows),
-        str(result.seq_len),
-        fmt(result.kl_mean, ".5f"),
-        fmt(result.kl_p99, ".4f"),
-        fmt(result.top1_agreement, ".4f"),
-        f"{result.seconds:.1f}",
-    )
-    out.print(table)
+    out.print(eval_table(result))
 
 
 @app.command()
@@ -163,10 +181,17 @@ def quantize(
         Path | None,
         typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
     ] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(
+            help="Without --calib: text to draw windows from (file, directory or HF dataset; default: shipped corpus)."
+        ),
+    ] = CalibrationConfig.dataset,
     num_samples: Annotated[
-        int, typer.Option(help="Without --calib: windows drawn from the shipped corpus.")
+        int, typer.Option(help="Without --calib: windows drawn from the text.")
     ] = CalibrationConfig.num_samples,
     seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = CalibrationConfig.seq_len,
+    allow_small_calibration: AllowSmallCalibration = CalibrationConfig.allow_small,
     ignore: Annotated[
         list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
     ] = None,
@@ -202,7 +227,9 @@ def quantize(
     config = QuantizeConfig(
         solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(method)],
         scheme=resolve_scheme(method, bits=bits, group_size=group_size, **options),
-        calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
+        calibration=CalibrationConfig(
+            dataset=dataset, num_samples=num_samples, seq_len=seq_len, allow_small=allow_small_calibration
+        ),
         calibration_file=calib,
         ignore=list(ignore or []),
         rotation=RotationConfig(kind=rotate, seed=rotate_seed),  # type: ignore[arg-type]
@@ -226,12 +253,15 @@ def quantize(
         check_exports_of_model(resolve_model(model), exports)
     if not config.needs_calibration and calib is not None:
         err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
-    result = quantize_model(model, config, output)
+    if calib is not None and dataset is not None:
+        err.print(f"note: --calib '{calib}' holds the windows; --dataset is not used")
+    with warnings_as_lines():
+        result = quantize_model(model, config, output)
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
-    table = Table(title=f"Quantized {model} -> {output}")
+    table = Table(title=f"Quantized {model} -> {output}", title_justify="left")
     for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")
     schemes = sorted({r.scheme for r in result.records})
     table.add_row(
         result.method,
@@ -265,7 +295,8 @@ def inspect(
     reference: Annotated[Path | None, typer.Option(help="The original model directory, for the size ratio.")] = None,
     json_out: JsonOption = None,
 ) -> None:
-    """Scheme per layer, bits per weight (scales and zeros counted), size against the original."""
+    """Layers in natural order grouped by scheme, with per-scheme sums: bits per weight (scales and zeros
+    counted) and sizes in MB (10^6 bytes) against the original."""
     from quantkit.format.inspect import inspect_checkpoint, render_report
     from quantkit.model.resolve import resolve_model
 

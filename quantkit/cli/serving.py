@@ -38,7 +38,11 @@ def serve(
         int, typer.Option(help="Requests waiting beyond the running batch; more get 429.")
     ] = ServeConfig.max_queue,
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients send (default: MODEL's basename).")
+        str | None,
+        typer.Option(
+            help="Model name clients send and see in /v1/models and responses (default: the alias, the model "
+            "directory's name or the hub id; never a local path)."
+        ),
     ] = ServeConfig.served_model_name,
     drain_timeout: Annotated[
         float, typer.Option(help="Seconds running requests get after SIGTERM.")

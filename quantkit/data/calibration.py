@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +30,19 @@ _DIVERSE_POOL_FACTOR = 8
 STRATEGIES = ("random", "document")
 SELECTIONS = ("random", "diverse")
 
+# Random windows over a text shorter than the request overlap: below 100% coverage (text tokens / requested
+# tokens) a warning, below this floor a refusal unless forced. At 25% every text token lands in about four
+# windows on average, so the run does at least four times the capture work of a request the text can actually
+# fill, and its Hessian/activation sums rest on a quarter (or less) of the distinct positions asked for; a
+# shortfall up to 4x is left to a warning because modest overlap only reweights real text.
+MIN_TEXT_COVERAGE = 0.25
+FORCE_SMALL_FLAG = "--allow-small-calibration"
+FORCE_SMALL_RECIPE_KEY = "calibration.allow_small"
+
+
+class SmallCalibrationWarning(UserWarning):
+    """The calibration text is shorter than the tokens the windows ask for: windows overlap."""
+
 
 @dataclass
 class CalibrationConfig:
@@ -42,6 +56,7 @@ class CalibrationConfig:
     min_length: int | None = None  # document strategy: minimum document length in tokens (default seq_len)
     select: str = "random"  # or "diverse": TF-IDF + MiniBatchKMeans coverage of the text
     text_column: str = "text"
+    allow_small: bool = False  # use a text that covers under MIN_TEXT_COVERAGE of the requested tokens
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -131,6 +146,8 @@ def build_calibration(
         candidates = document_windows(encoded, body, config.min_length or body, generator)
     else:
         stream = join_documents(encoded, tokenizer.eos_token_id)
+        if len(stream) >= body:  # a text shorter than one window gets random_windows' own message
+            check_text_coverage(TextCoverage.of(docs.texts, len(stream), config.num_samples, body), config.allow_small)
         candidates = random_windows(stream, body, _pool_size(config), generator)
     if config.select == "diverse":
         chosen = select_diverse(candidates, config.num_samples, config.seed)
@@ -167,6 +184,70 @@ def build_calibration(
     if output is not None:
         calibration.save(Path(output))
     return CalibrationResult(calibration, time.perf_counter() - start, len(docs), sum(map(len, encoded)))
+
+
+@dataclass(frozen=True, slots=True)
+class TextCoverage:
+    """How much of a request for random windows the text can fill with distinct tokens."""
+
+    text_tokens: int  # the joined text, separators included
+    windows: int
+    window_tokens: int  # tokens drawn from the text per window (the BOS prefix excluded)
+    bytes_per_token: float  # measured on this text, to turn a token count into an amount of text
+    words_per_token: float
+
+    @classmethod
+    def of(cls, texts: list[str], text_tokens: int, windows: int, window_tokens: int) -> TextCoverage:
+        size = max(text_tokens, 1)
+        text_bytes = sum(len(t.encode("utf-8")) for t in texts)
+        words = sum(len(t.split()) for t in texts)
+        return cls(text_tokens, windows, window_tokens, text_bytes / size, words / size)
+
+    @property
+    def requested_tokens(self) -> int:
+        return self.windows * self.window_tokens
+
+    @property
+    def fraction(self) -> float:
+        return self.text_tokens / self.requested_tokens
+
+    def amount_needed(self) -> str:
+        """The requested tokens as an amount of text like this one: '4,096 tokens (about 3,100 words, 18 KB)'."""
+        need = self.requested_tokens
+        words = _round2(need * self.words_per_token)
+        kilobytes = max(1, round(need * self.bytes_per_token / 1000))
+        return f"{need:,} tokens (about {words:,} words, {kilobytes:,} KB of text like this)"
+
+
+def check_text_coverage(coverage: TextCoverage, allow_small: bool) -> None:
+    """Refuse a text that covers under MIN_TEXT_COVERAGE of the requested tokens (unless ``allow_small``);
+    warn (SmallCalibrationWarning) when it covers under all of them."""
+    if coverage.fraction >= 1.0:
+        return
+    request = f"{coverage.windows} windows x {coverage.window_tokens} tokens"
+    repeats = 1 / coverage.fraction
+    if coverage.fraction < MIN_TEXT_COVERAGE and not allow_small:
+        raise CalibrationError(
+            f"the calibration text has {coverage.text_tokens:,} tokens, {coverage.fraction:.0%} of the "
+            f"{coverage.requested_tokens:,} that {request} ask for (each token would be seen ~{repeats:.1f} times; "
+            f"the floor is {MIN_TEXT_COVERAGE:.0%}); give at least {coverage.amount_needed()}, lower --num-samples "
+            f"or --seq-len, or pass {FORCE_SMALL_FLAG} to use it anyway (recipes: {FORCE_SMALL_RECIPE_KEY}: true)"
+        )
+    warnings.warn(
+        f"the calibration text has {coverage.text_tokens:,} tokens, fewer than the {coverage.requested_tokens:,} "
+        f"that {request} ask for: windows overlap (each token seen ~{repeats:.1f} times on average); "
+        f"{coverage.amount_needed()} would give distinct windows",
+        SmallCalibrationWarning,
+        stacklevel=3,
+    )
+
+
+def _round2(value: float) -> int:
+    """``value`` rounded to two significant digits (an estimate should not look exact)."""
+    if value < 100:
+        return max(1, round(value))
+    digits = len(str(int(value))) - 2
+    return int(round(value, -digits))
 
 
 def _pool_size(config: CalibrationConfig) -> int:

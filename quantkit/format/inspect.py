@@ -1,9 +1,14 @@
-"""Size report of a quantized checkpoint: bits per weight per layer and overall, read from headers only."""
+"""Size report of a quantized checkpoint, read from headers only: bits per weight per layer, per scheme and overall.
+
+Layers are listed in natural order (``layers.2`` before ``layers.10``); :class:`SchemeGroup` sums the layers that
+share a scheme (the groups add up to the quantized totals). Sizes are shown in MB (10^6 bytes, as everywhere).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,10 +19,12 @@ from quantkit.errors import QuantkitError
 from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
 from quantkit.format.loads_in import EngineVerdict, LayerShape, loads_in
 from quantkit.format.quantization_config import parse_quantization_config
+from quantkit.format.sizes import format_mb, mb_number
 from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO
 
 if TYPE_CHECKING:
     from rich.console import Group
+    from rich.table import Table
 
 _BITS = {"BOOL": 1, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "F16": 16, "BF16": 16}
 _BITS |= {"I32": 32, "F32": 32, "U32": 32, "I64": 64, "F64": 64, "U64": 64}
@@ -32,13 +39,31 @@ class LayerReport:
     in_features: int
     bits_per_weight: float  # (weight + scale + zero-point + g_idx bits) / (N * K)
     fallback: str = ""  # "g128 -> g64" when --layout-policy fallback changed this layer's group size
+    bytes: int = 0  # stored bytes of the layer's weight_packed, scale, zero point and g_idx
+
+    @property
+    def params(self) -> int:
+        return self.out_features * self.in_features
+
+
+@dataclass(slots=True)
+class SchemeGroup:
+    """The quantized layers sharing one scheme, summed."""
+
+    scheme: str
+    layers: int = 0
+    params: int = 0
+    bytes: int = 0  # as LayerReport.bytes, summed
+    bits_per_weight: float = 0.0  # the group's stored bits / its params
 
 
 @dataclass(slots=True)
 class CheckpointReport:
     path: str
-    layers: list[LayerReport] = field(default_factory=list)
+    layers: list[LayerReport] = field(default_factory=list)  # natural order of names (layers.2 before layers.10)
+    groups: list[SchemeGroup] = field(default_factory=list)  # one per scheme, fewest bits per weight first
     quantized_params: int = 0
+    quantized_bytes: int = 0  # the quantized layers' stored bytes (sum of LayerReport.bytes)
     total_params: int = 0
     avg_bits_per_weight: float = 0.0  # over quantized Linears only
     model_bits_per_weight: float = 0.0  # every stored bit over the source model's parameters (embeddings included)
@@ -98,6 +123,26 @@ def _safetensors_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in shard_files(path))
 
 
+def natural_key(name: str) -> list[int | str]:
+    """Sort key reading digit runs as numbers: ``layers.2`` sorts before ``layers.10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def scheme_groups(layers: list[LayerReport]) -> list[SchemeGroup]:
+    """The layers summed per scheme, fewest bits per weight first."""
+    groups: dict[str, SchemeGroup] = {}
+    bits: dict[str, float] = {}
+    for layer in layers:
+        group = groups.setdefault(layer.scheme, SchemeGroup(layer.scheme))
+        group.layers += 1
+        group.params += layer.params
+        group.bytes += layer.bytes
+        bits[layer.scheme] = bits.get(layer.scheme, 0.0) + layer.bits_per_weight * layer.params
+    for name, group in groups.items():
+        group.bits_per_weight = bits[name] / group.params if group.params else 0.0
+    return sorted(groups.values(), key=lambda g: (g.bits_per_weight, g.scheme))
+
+
 def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointReport:
     """Per-layer and total bits per weight of a ``pack-quantized`` checkpoint (tensors are not loaded)."""
     path = Path(path)
@@ -106,7 +151,7 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     infos = _headers(files)
     report = CheckpointReport(path=str(path), checkpoint_bytes=_safetensors_bytes(path))
 
-    prefixes = sorted(key.removesuffix("." + PACKED) for key in infos if key.endswith("." + PACKED))
+    prefixes = sorted((key.removesuffix("." + PACKED) for key in infos if key.endswith("." + PACKED)), key=natural_key)
     consumed: set[str] = set()
     shapes: list[LayerShape] = []
     fallbacks = _layout_fallbacks(path)
@@ -119,10 +164,14 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
         parts = [f"{prefix}.{p}" for p in (*_QUANT_PARTS, SHAPE) if f"{prefix}.{p}" in infos]
         bits = sum(infos[p].total_bits for p in parts if not p.endswith(SHAPE))
         consumed.update(parts)
-        report.layers.append(LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, "")))
+        layer = LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, ""), bits // 8)
+        report.layers.append(layer)
         shapes.append(LayerShape(prefix, scheme, n, k))
         report.quantized_params += n * k
+        report.quantized_bytes += layer.bytes
         quant_bits += bits
+
+    report.groups = scheme_groups(report.layers)
 
     report.loads_in = loads_in(shapes)
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
@@ -162,51 +211,65 @@ def _layout_fallbacks(path: Path) -> dict[str, str]:
     return dict(fallbacks) if isinstance(fallbacks, dict) else {}
 
 
-def _human(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size = nbytes / 1024
-    for unit in ("KiB", "MiB"):
-        if size < 1024:
-            return f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} GiB"
-
-
 def render_report(report: CheckpointReport) -> Group:
-    """Rich tables: one row per quantized layer (totals in the caption), then where the checkpoint loads."""
+    """Rich tables: the layers (natural order, one section per scheme), the schemes summed with the totals, then
+    where the checkpoint loads."""
     from rich.console import Group
+
+    return Group(_layers_table(report), _groups_table(report), _engines_table(report))
+
+
+def _layers_table(report: CheckpointReport) -> Table:
     from rich.table import Table
 
-    table = Table(title=f"Quantized checkpoint {report.path}")
-    columns = ["layer", "scheme", "N", "K", "bits/w"] + (["layout"] if any(x.fallback for x in report.layers) else [])
-    for col in columns:
+    table = Table(title=f"Quantized layers of {report.path}")
+    layout = any(x.fallback for x in report.layers)
+    for col in ["layer", "scheme", "N", "K", "params", "MB", "bits/w"] + (["layout"] if layout else []):
         table.add_column(col, justify="left" if col in ("layer", "scheme", "layout") else "right")
-    for layer in report.layers:
-        row = [
-            layer.name,
-            layer.scheme,
-            str(layer.out_features),
-            str(layer.in_features),
-            f"{layer.bits_per_weight:.3f}",
-        ]
-        table.add_row(*row, *([f"fallback {layer.fallback}" if layer.fallback else ""] if len(columns) > 5 else []))
+    for i, group in enumerate(report.groups):
+        if i:
+            table.add_section()
+        for layer in (x for x in report.layers if x.scheme == group.scheme):
+            row = [layer.name, layer.scheme, str(layer.out_features), str(layer.in_features), f"{layer.params:,}"]
+            row += [mb_number(layer.bytes), f"{layer.bits_per_weight:.3f}"]
+            table.add_row(*row, *([f"fallback {layer.fallback}" if layer.fallback else ""] if layout else []))
+    table.caption = "layers in natural order, grouped by scheme; MB = 10^6 bytes (packed weights, scales, zeros)"
+    return table
+
+
+def _groups_table(report: CheckpointReport) -> Table:
+    from rich.table import Table
+
+    table = Table(title="Per scheme", show_footer=True)
+    footer = ["all quantized", str(len(report.layers)), f"{report.quantized_params:,}"]
+    footer += [mb_number(report.quantized_bytes), f"{report.avg_bits_per_weight:.3f}"]
+    for col, total in zip(("scheme", "layers", "params", "MB", "bits/w"), footer, strict=True):
+        table.add_column(col, total, justify="left" if col == "scheme" else "right")
+    for group in report.groups:
+        table.add_row(
+            group.scheme, str(group.layers), f"{group.params:,}", mb_number(group.bytes), f"{group.bits_per_weight:.3f}"
+        )
     dense_src = "reference" if report.dense_from_reference else "2 B x params"
     table.caption = (
         f"quantized params {report.quantized_params:,} of {report.total_params:,}; "
-        f"avg {report.avg_bits_per_weight:.3f} bits/w; size {_human(report.checkpoint_bytes)} "
-        f"vs bf16 {_human(report.dense_bf16_bytes)} ({dense_src}), x{report.compression_ratio:.2f}; "
-        f"whole model {report.model_bits_per_weight:.3f} bits/w"
+        f"checkpoint {format_mb(report.checkpoint_bytes)} vs bf16 {format_mb(report.dense_bf16_bytes)} ({dense_src}), "
+        f"x{report.compression_ratio:.2f}; whole model {report.model_bits_per_weight:.3f} bits/w"
     )
     if report.untied_head_bytes:
         table.caption += (
-            f"; includes an lm_head of {_human(report.untied_head_bytes)} that folding the rotation untied "
+            f"; includes an lm_head of {format_mb(report.untied_head_bytes)} that folding the rotation untied "
             "from the embedding"
         )
+    return table
+
+
+def _engines_table(report: CheckpointReport) -> Table:
+    from rich.table import Table
+
     engines = Table(title="Loads in (layers per kernel)")
     engines.add_column("engine")
     engines.add_column("all layers", justify="center")
     engines.add_column("kernels / types")
     for verdict in report.loads_in:
         engines.add_row(verdict.engine, "yes" if verdict.loads else "no", verdict.summary)
-    return Group(table, engines)
+    return engines

@@ -35,8 +35,9 @@ from pydantic import AfterValidator, Field
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
+from quantkit.format.sizes import format_mb, mb_number
 from quantkit.mixed.candidates import FP16, all_candidate_names, parse_candidate
-from quantkit.mixed.planner import Plan
+from quantkit.mixed.planner import Plan, UniformPoint
 from quantkit.schemas.fields import FileModel
 from quantkit.schemas.located import load_yaml, plain
 from quantkit.schemas.validate import error_at, validate
@@ -326,7 +327,24 @@ def render_plan(plan: Plan) -> Table:
     pinned = " (* pinned)" if any(u.pinned for u in plan.units) else ""
     table.caption = (
         f"{len(plan.units)} units, {plan.total_params:,} weights: {plan.bits_per_weight:.3f} bits/w, "
-        f"{plan.size_mb:.2f} MB (budget {plan.budget_bits / plan.total_params:.3f} bits/w, "
-        f"{plan.budget_bits / 8e6:.2f} MB; 1 MB = 1e6 bytes); predicted error {plan.predicted_error:.4g}{pinned}"
+        f"{format_mb(plan.total_bits / 8, decimals=2)} (budget {plan.budget_bits / plan.total_params:.3f} bits/w, "
+        f"{format_mb(plan.budget_bits / 8, decimals=2)}; 1 MB = 10^6 bytes); predicted error "
+        f"{plan.predicted_error:.4g}{pinned}"
     )
+    return table
+
+
+def render_uniform_comparison(plan: Plan, uniform: list[UniformPoint]) -> Table:
+    """The plan beside the uniform schemes (every unit on one candidate), by predicted error."""
+    from rich.table import Table
+
+    table = Table(title=f"Plan vs uniform schemes ({plan.mode} errors, measured Linears)")
+    for col in ("scheme", "bits/w", "MB", "predicted error", "vs plan"):
+        table.add_column(col, justify="left" if col == "scheme" else "right")
+    rows = [("[bold]this plan[/]", plan.total_bits, plan.bits_per_weight, plan.predicted_error)]
+    rows += [(p.candidate, p.bits, p.bits_per_weight, p.predicted_error) for p in uniform]
+    for name, bits, bpw, error in sorted(rows, key=lambda r: r[1]):
+        ratio = "-" if plan.predicted_error == 0 else f"{error / plan.predicted_error:.2f}x"
+        table.add_row(name, f"{bpw:.3f}", mb_number(bits / 8), f"{error:.4g}", ratio)
+    table.caption = "predicted errors, the sum the planner minimises; `quantkit eval` measures the real KL"
     return table

@@ -42,10 +42,10 @@ import numpy as np
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
+from quantkit.format.sizes import BITS_PER_MB, format_mb
 from quantkit.mixed.candidates import parse_candidate
 from quantkit.mixed.measurement import Measurement
 
-BITS_PER_MB = 8_000_000  # 1 MB = 1e6 bytes
 FRONTIER_POINTS = 24
 MAX_STATES = 1_000_000  # partial plans kept after one unit; real measurements keep a few thousand at most
 
@@ -99,6 +99,24 @@ class Plan:
     @property
     def predicted_error(self) -> float:
         return math.fsum(u.error for u in self.units)
+
+
+@dataclass(frozen=True, slots=True)
+class UniformPoint:
+    """Every measured unit on one candidate: the uniform scheme a plan is compared with."""
+
+    candidate: str
+    bits: int  # exact storage bits of the measured units
+    params: int
+    predicted_error: float  # summed over the units, as a plan's
+
+    @property
+    def bits_per_weight(self) -> float:
+        return self.bits / self.params
+
+    @property
+    def size_mb(self) -> float:
+        return self.bits / BITS_PER_MB
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,6 +175,21 @@ def plan_frontier(
     return plans
 
 
+def uniform_points(measurement: Measurement) -> list[UniformPoint]:
+    """The uniform schemes among the candidates (those measured on every unit), fewest bits first."""
+    points = [
+        UniformPoint(
+            name,
+            sum(u.options[name].bits for u in measurement.units),
+            measurement.total_params,
+            math.fsum(u.options[name].error for u in measurement.units),
+        )
+        for name in measurement.candidates
+        if all(name in u.options for u in measurement.units)
+    ]
+    return sorted(points, key=lambda p: (p.bits, p.candidate))
+
+
 def budget_bits(measurement: Measurement, *, target_bits: float | None = None, max_size_mb: float | None = None) -> int:
     """The budget in bits: floor(target_bits x params) and/or floor(max_size_mb x 8e6), the tighter one."""
     if target_bits is None and max_size_mb is None:
@@ -185,7 +218,7 @@ def parse_pin(text: str) -> tuple[str, str]:
 
 def _infeasible_message(budget: int, lo: int, hi: int, params: int, pinned: bool) -> str:
     def size(bits: int) -> str:
-        return f"{bits / params:.4f} bits/weight ({bits / BITS_PER_MB:.3f} MB)"
+        return f"{bits / params:.4f} bits/weight ({format_mb(bits / 8, decimals=3)})"
 
     given = " with the given pins" if pinned else ""
     return (

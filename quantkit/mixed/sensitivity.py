@@ -6,9 +6,13 @@ model's (each unit is measured alone). Modes:
   objective, from statistics the pass collects anyway);
 - ``kl``: mean KL divergence of the final next-token distribution from the float model's when only that
   unit is quantized, on a few calibration windows (slower; the whole float model is held in memory);
-- ``hybrid``: the proxy errors of each unit, rescaled so that its lowest-bit candidate's error equals that
-  candidate's measured KL. The proxy ranks a unit's candidates well (same Hessian) but is not comparable
-  across layers (activation scales and downstream gain differ); one KL forward per unit makes it so.
+- ``hybrid`` (the default, :data:`~quantkit.mixed.measurement.DEFAULT_MODE`): the proxy errors of each unit,
+  rescaled so that its lowest-bit candidate's error equals that candidate's measured KL. The proxy ranks a
+  unit's candidates well (same Hessian) but is not comparable across layers (activation scales and downstream
+  gain differ); one KL forward per unit makes it so.
+
+``proxy`` is the fast option (no full-model forward, the float model is never held whole); its plans rank a
+layer's own candidates but lose to uniform schemes below about 5 bits per weight.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from quantkit.data.model_calibration import calibration_for_model
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES, parse_candidate
-from quantkit.mixed.measurement import MODES, Measurement, UnitMeasurement, save_measurement
+from quantkit.mixed.measurement import DEFAULT_MODE, MODES, Measurement, UnitMeasurement, save_measurement
 from quantkit.mixed.unit_error import KLReference, UnitMeter
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner, embed
@@ -46,7 +50,7 @@ class SensitivityConfig:
     """What to measure; the model and the output file are the call's arguments."""
 
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
-    mode: str = "proxy"  # proxy | kl | hybrid (see the module docstring)
+    mode: str = DEFAULT_MODE  # hybrid | proxy (fast) | kl (see the module docstring)
     kl_windows: int = 2  # kl / hybrid: calibration windows the KL is measured on
     gptq: GPTQConfig = field(default_factory=GPTQConfig)  # candidates are solved as `quantize` solves them
     act_order: bool = _GPTQ_DEFAULTS.act_order  # with static groups: storage cost unchanged

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quantkit.errors import QuantkitError
 from quantkit.model.cache import cache_dir
+from quantkit.progress import console, progress_bar
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,15 +56,21 @@ def ensure_alias(name: str) -> Path:
     if (target / "config.json").is_file():
         return target
     source = gguf_path(ALIASES[name])
-    convert_gguf(source, target)
+    console.print(f"{name}: converting {source.name} into {target} (first use only)", markup=False, soft_wrap=True)
+    convert_gguf(source, target, description=f"Converting {name} (first use)")
     return target
 
 
-def convert_gguf(source: Path, target: Path) -> float:
+CONVERSION_STEPS = 4  # tokenizer read, weights dequantized, weights written, tokenizer written
+
+
+def convert_gguf(
+    source: Path, target: Path, *, description: str = "Converting GGUF", show_progress: bool = True
+) -> float:
     """Dequantize a GGUF file into bf16 safetensors plus tokenizer at ``target``; returns seconds taken.
 
     Written under a temporary name and renamed when complete, so an interrupted conversion leaves nothing
-    under ``target``.
+    under ``target``. Progress: :data:`CONVERSION_STEPS` steps under ``description``.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -73,16 +80,22 @@ def convert_gguf(source: Path, target: Path) -> float:
     tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        kwargs = {"gguf_file": source.name}
-        tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source.parent, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16, **kwargs
-        )
-        model.config.quantization_config = None
-        del model.config.quantization_config
-        model.config.name_or_path = source.stem
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        with progress_bar(show_progress) as bar:
+            task = bar.add_task(description, total=CONVERSION_STEPS, unit="step")
+            kwargs = {"gguf_file": source.name}
+            tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
+            bar.advance(task)
+            model = AutoModelForCausalLM.from_pretrained(
+                source.parent, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16, **kwargs
+            )
+            bar.advance(task)
+            model.config.quantization_config = None
+            del model.config.quantization_config
+            model.config.name_or_path = source.stem
+            model.save_pretrained(tmp, safe_serialization=True)
+            bar.advance(task)
+            tokenizer.save_pretrained(tmp)
+            bar.advance(task)
         if target.exists():  # another process finished first: keep its result
             shutil.rmtree(tmp)
         else:

@@ -44,7 +44,7 @@ def walk_blocks(
     visit and released after it. ``weights`` None: the model is already loaded; blocks are visited as they are."""
     layers = get_module(model, arch.layers_path)
     with progress_bar(show_progress) as bar:
-        task = bar.add_task(description, total=len(layers), completed=first)
+        task = bar.add_task(description, total=len(layers), completed=first, unit="block")
         for index in range(first, len(layers)):
             prefix = f"{arch.layers_path}.{index}"
             block = layers[index]

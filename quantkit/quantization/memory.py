@@ -37,7 +37,7 @@ def release_freed_memory() -> None:
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident set, in MiB.
+    """This process's peak resident set, in MB (10^6 bytes, the unit of every size quantkit prints).
 
     On Linux, ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` also counts the peak of the process this one
     was forked from, since the kernel carries the old address space's high-water mark over ``exec`` (a
@@ -47,8 +47,8 @@ def peak_rss_mb() -> float:
         with open("/proc/self/status") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) / 1024
+                    return int(line.split()[1]) * 1024 / 1e6
     except OSError:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    return peak / 1e6 if sys.platform == "darwin" else peak * 1024 / 1e6

@@ -11,6 +11,7 @@ import json
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
 from quantkit.model.blocks import BlockRunner
 from quantkit.model.source_weights import SourceWeights, build_skeleton
+from quantkit.progress import Interrupted
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
 from quantkit.quantization.block_pass import BlockPass
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
@@ -36,6 +38,8 @@ from quantkit.quantization.records import LayerRecord, record_from_dict
 from quantkit.quantization.rotation_step import job_rotation
 from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.workdir import WorkDir, partial_dir
+
+RESUME_HINT = "rerun with --resume to continue"
 
 
 @dataclass(slots=True)
@@ -83,8 +87,13 @@ def quantize_model(
         resumed_from = work.finished
         if job.rotation is not None and not work.has_outer:
             work.save_outer(job.rotation.outer_tensors(job.weights))
-        _run_blocks(job, work, on_block_done)
-        write_checkpoint(job, work)
+        try:
+            _run_blocks(job, work, on_block_done)
+            write_checkpoint(job, work)
+        except KeyboardInterrupt as exc:  # the finished blocks are saved: say how far it got and how to go on
+            if isinstance(exc, Interrupted):
+                raise
+            raise Interrupted(done=work.finished, total=job.num_layers, unit="block", hint=RESUME_HINT) from exc
         commit_point("checkpoint-written")
     shutil.rmtree(work.retire())
     return _result(job, start, resumed_from, work.layer_records)
@@ -164,6 +173,7 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     tune = job.config.tune if job.config.tuning else None
     run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune)
     hidden: torch.Tensor | None = None
+    reference: torch.Tensor | None = None
     # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
     load_dtype = job.storage if job.rotation is None else torch.float32
     if job.calibration is not None:
@@ -175,25 +185,27 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage)
         else:
             hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage)
-    with SpillFile(work.spill_file) as spill:
+        if tune is not None:  # the float model's activations, the targets of tuning (see quantize_block)
+            reference = work.load_reference() if work.finished > 0 else hidden.clone()
+    visits = walk_blocks(
+        skeleton,
+        job.arch,
+        job.weights,
+        description=f"Quantizing ({job.config.method})",
+        first=work.finished,
+        dtype=load_dtype,
+        show_progress=job.config.show_progress,
+    )
+    with SpillFile(work.spill_file) as spill, closing(visits):  # closing: the bar stops before Ctrl-C's message
         run.spill = spill
-        visits = walk_blocks(
-            skeleton,
-            job.arch,
-            job.weights,
-            description=f"Quantizing ({job.config.method})",
-            first=work.finished,
-            dtype=load_dtype,
-            show_progress=job.config.show_progress,
-        )
         for visit in visits:
             if job.rotation is not None:
                 job.rotation.fold(visit.module)
             schemes = job.assignment.for_block(visit.prefix)
-            done = quantize_block(visit.module, visit.prefix, hidden, schemes, run)
-            hidden = done.output
+            done = quantize_block(visit.module, visit.prefix, hidden, schemes, run, reference)
+            hidden, reference = done.output, done.reference_output
             tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage)
-            work.save_block(visit.index, tensors, hidden, done.records)
+            work.save_block(visit.index, tensors, hidden, done.records, reference)
             del done, tensors
             if on_block_done is not None:
                 on_block_done(visit.index)

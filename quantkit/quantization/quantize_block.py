@@ -24,6 +24,7 @@ class QuantizedBlock:
     weights: dict[str, QuantizedWeight]  # by linear path relative to the block
     output: torch.Tensor | None  # the next block's input (None when data-free)
     records: list[RunRecord] = field(default_factory=list)
+    reference_output: torch.Tensor | None = None  # with tuning: the float model's output, the next block's target
 
 
 def write_back_dequantized(linear: nn.Linear, weight: QuantizedWeight) -> None:
@@ -32,12 +33,20 @@ def write_back_dequantized(linear: nn.Linear, weight: QuantizedWeight) -> None:
 
 
 def quantize_block(
-    block: nn.Module, prefix: str, hidden: torch.Tensor | None, schemes: BlockSchemes, run: BlockPass
+    block: nn.Module,
+    prefix: str,
+    hidden: torch.Tensor | None,
+    schemes: BlockSchemes,
+    run: BlockPass,
+    reference: torch.Tensor | None = None,
 ) -> QuantizedBlock:
     """Quantize one block in place: its linears end up holding their dequantized weights.
 
     ``hidden`` [n, T, H]: the block's calibration input (None for a data-free run); the output is written over
-    it (one activation buffer less): pass a clone to keep the input.
+    it (one activation buffer less): pass a clone to keep the input. ``reference``: with tuning, the float
+    model's own input to this block (its activations with no block quantized; None: ``hidden``). Tuning fits the
+    quantized block, fed ``hidden``, to the float block's output on ``reference`` (AutoRound's targets), so each
+    block also makes up for the error of the blocks before it.
     """
     if run.runner is None or hidden is None:
         return _quantize_data_free(block, prefix, schemes, run)
@@ -45,9 +54,10 @@ def quantize_block(
     solver = weight_solver(last)
     out = QuantizedBlock({}, None)
     tuning = run.tune is not None and run.tune.steps > 0
-    if tuning:  # the float block's own output is what tuning reproduces; the solve overwrites ``hidden``
+    if tuning:  # the float model's output is what tuning reproduces; the solve overwrites ``hidden``
         inputs = hidden.clone()
-        targets = run.runner.run(block, hidden)
+        targets = run.runner.run(block, hidden if reference is None else reference)
+        out.reference_output = targets
     for config, transform in transforms:
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)

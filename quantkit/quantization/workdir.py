@@ -92,27 +92,39 @@ class WorkDir:
         return self.path / f"block_{index:04d}.safetensors"
 
     def save_block(
-        self, index: int, tensors: dict[str, torch.Tensor], hidden: torch.Tensor | None, records: list[RunRecord]
+        self,
+        index: int,
+        tensors: dict[str, torch.Tensor],
+        hidden: torch.Tensor | None,
+        records: list[RunRecord],
+        reference: torch.Tensor | None = None,
     ) -> None:
-        """Save a finished block and (unless the run needs no activations) the next block's input; the state that
-        names them is written last."""
+        """Save a finished block and (unless the run needs no activations) the next block's input, and with
+        tuning the float model's input to it (``reference``); the state that names them is written last."""
         assert index == self.finished, f"block {index} saved out of order (expected {self.finished})"
         contiguous = {k: v.contiguous() for k, v in tensors.items()}
         write_atomically(self.block_file(index), lambda p: save_file(contiguous, str(p), metadata={"format": "pt"}))
         commit_point("block-written")
-        previous = self._hidden_path()
-        name = None
+        previous = [self._hidden_path(), self._reference_path()]
+        name = reference_name = None
         if hidden is not None:
             name = f"hidden_{index + 1:04d}.pt"
             write_atomically(self.path / name, lambda p: torch.save(hidden.contiguous(), p))
             commit_point("hidden-written")
+        if reference is not None:
+            reference_name = f"reference_{index + 1:04d}.pt"
+            write_atomically(self.path / reference_name, lambda p: torch.save(reference.contiguous(), p))
+            commit_point("reference-written")
         self.state["finished"] = index + 1
         self.state["hidden"] = name
+        if reference_name is not None:
+            self.state["reference"] = reference_name
         self.state["records"].extend(r.to_dict() for r in records)
         self._write_state()
         commit_point("state-written")
-        if previous is not None and previous.name != name:
-            previous.unlink(missing_ok=True)
+        for old in previous:
+            if old is not None and old.name not in (name, reference_name):
+                old.unlink(missing_ok=True)
 
     @property
     def has_outer(self) -> bool:
@@ -135,6 +147,15 @@ class WorkDir:
             raise QuantkitError(f"{self.path} has no input for block {self.finished}; rerun without --resume")
         return torch.load(path, weights_only=True)
 
+    def load_reference(self) -> torch.Tensor | None:
+        """The float model's input to the next block (tuning runs; None when this run keeps none)."""
+        path = self._reference_path()
+        if path is None:
+            return None
+        if not path.is_file():
+            raise QuantkitError(f"{self.path} has no reference input for block {self.finished}; rerun without --resume")
+        return torch.load(path, weights_only=True)
+
     def retire(self) -> Path:
         """Rename the directory away (one atomic step) so that nothing can resume from it; returns the new path."""
         retired = retired_name(self.path)
@@ -146,14 +167,18 @@ class WorkDir:
         name = self.state.get("hidden", LEGACY_HIDDEN)
         return self.path / name if name else None
 
+    def _reference_path(self) -> Path | None:
+        name = self.state.get("reference")
+        return self.path / name if name else None
+
     def _remove_unreferenced(self) -> None:
         """Files of steps that never committed: temporaries, blocks past ``finished``, superseded inputs."""
         keep = {STATE, SPILL, *(self.block_file(i).name for i in range(self.finished))}
         if self.has_outer:
             keep.add(OUTER)
-        hidden = self._hidden_path()
-        if hidden is not None:
-            keep.add(hidden.name)
+        for current in (self._hidden_path(), self._reference_path()):
+            if current is not None:
+                keep.add(current.name)
         for file in self.path.iterdir():
             if file.name not in keep:
                 file.unlink(missing_ok=True)

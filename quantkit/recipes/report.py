@@ -1,9 +1,10 @@
-"""A recipe run's report: each stage's time and cache hit, the gates against their thresholds, the figures,
-content hashes and the environment; written as report.json and report.md, shown as rich tables."""
+"""A recipe run's report: a summary of the run (model, method, schemes, size, bits per weight, time), the metrics,
+the gates against their thresholds, plots of the per-layer measurement and the plan's frontier, each stage's time
+and cache hit, the figures, content hashes and the environment; written as report.json and report.md (GitHub
+Markdown, PNG plots beside it; without matplotlib the report says they were skipped), shown as rich tables."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -11,13 +12,18 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
 from rich.table import Table
 
 from quantkit.atomic import write_json, write_text
+from quantkit.errors import QuantkitError
+from quantkit.format.sizes import format_mb, mb_number
 from quantkit.recipes.overrides import redact
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
+PER_LAYER_PNG = "per_layer.png"
+FRONTIER_PNG = "frontier.png"
 GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement")
 
 
@@ -53,6 +59,10 @@ class RecipeReport:
     environment: dict[str, Any] = field(default_factory=dict)
     smoke: dict[str, Any] | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    artifacts: dict[str, str] = field(default_factory=dict)  # files the run made: "measurement", "plan" (paths)
+    checkpoint: dict[str, Any] = field(default_factory=dict)  # bits per weight, sizes, layers per scheme (inspect)
+    plots: dict[str, str] = field(default_factory=dict)  # title -> PNG file name beside report.md
+    plots_note: str = ""  # why there are no plots (none measured, matplotlib missing)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,10 +117,95 @@ def environment() -> dict[str, Any]:
 
 
 def write_report(report: RecipeReport, directory: Path, secrets: dict[str, str] | None = None) -> None:
-    """report.json and report.md, with the values of secret-named ``${VAR}`` substitutions redacted."""
+    """report.json and report.md (with its plots beside it), with the values of secret-named ``${VAR}``
+    substitutions redacted. Fills the report's checkpoint summary and plots first (see :func:`complete_report`)."""
     secrets = secrets or {}
+    complete_report(report, Path(directory))
     write_json(directory / REPORT_JSON, redact(report.to_dict(), secrets))
     write_text(directory / REPORT_MD, redact(render_markdown(report), secrets))
+
+
+# --------------------------------------------------------------------------------------------------
+# What the report adds to the run's own records: the checkpoint's sizes, and plots
+# --------------------------------------------------------------------------------------------------
+
+
+def complete_report(report: RecipeReport, directory: Path) -> None:
+    """The checkpoint summary (read from its headers, as ``quantkit inspect``) and the plots of the run's per-layer
+    measurement, drawn into ``directory``; without matplotlib, ``plots_note`` says they were skipped."""
+    if not report.checkpoint:
+        report.checkpoint = checkpoint_summary(Path(report.output))
+    if not report.plots and not report.plots_note:
+        report.plots, report.plots_note = draw_plots(report, Path(directory))
+
+
+def checkpoint_summary(path: Path) -> dict[str, Any]:
+    """Bits per weight, sizes and the layers per scheme of the checkpoint in ``path`` ({} when there is none)."""
+    from quantkit.format.inspect import inspect_checkpoint
+
+    if not (path / "config.json").is_file():
+        return {}
+    try:
+        found = inspect_checkpoint(path)
+    except (QuantkitError, OSError):
+        return {}
+    return {
+        "bits_per_weight": found.avg_bits_per_weight,
+        "model_bits_per_weight": found.model_bits_per_weight,
+        "bytes": found.checkpoint_bytes,
+        "dense_bf16_bytes": found.dense_bf16_bytes,
+        "quantized_params": found.quantized_params,
+        "total_params": found.total_params,
+        "groups": [asdict(g) for g in found.groups],
+    }
+
+
+def draw_plots(report: RecipeReport, directory: Path) -> tuple[dict[str, str], str]:
+    """(title -> PNG file name in ``directory``, note): the per-layer errors and the plan's frontier with the
+    uniform schemes, when the run measured per-layer sensitivity; else no plots and a note saying why."""
+    measurement_path = report.artifacts.get("measurement")
+    if not measurement_path:
+        return {}, "no per-layer plots: this run measured no per-layer sensitivity (quantization.mixed does)"
+    from quantkit.mixed.plot import PLOT_EXTRA, plotting_unavailable
+
+    missing = plotting_unavailable()
+    if missing is not None:
+        return {}, f"plots skipped: {missing} (the optional '{PLOT_EXTRA}' extra)"
+    from quantkit.mixed.measurement import load_measurement
+    from quantkit.mixed.plot import plot_frontier, plot_unit_errors
+
+    try:
+        measurement = load_measurement(Path(measurement_path))
+        chosen = _replan(measurement, report.artifacts.get("plan"))
+    except (QuantkitError, OSError) as exc:
+        return {}, f"plots skipped: the run's measurement or plan could not be read again ({exc})"
+    directory.mkdir(parents=True, exist_ok=True)
+    error = "KL" if measurement.mode in ("kl", "hybrid") else "proxy error"
+    plots = {
+        f"{error} per layer ({measurement.mode})": plot_unit_errors(measurement, directory / PER_LAYER_PNG, chosen)
+    }
+    if chosen is not None:
+        plots["Size/error frontier, uniform schemes marked"] = plot_frontier(
+            measurement, chosen, directory / FRONTIER_PNG
+        )
+    return {title: path.name for title, path in plots.items()}, ""
+
+
+def _replan(measurement: Any, plan_path: str | None) -> Any:
+    """The run's plan, made again from the measurement under the budget and pins its plan file records."""
+    if not plan_path:
+        return None
+    from quantkit.mixed.plan_file import load_plan
+    from quantkit.mixed.planner import plan
+
+    budget = load_plan(Path(plan_path)).budget
+    pins = [(p["pattern"], p["scheme"]) for p in budget.get("pins") or []]
+    return plan(measurement, target_bits=budget.get("target_bits"), max_size_mb=budget.get("max_size_mb"), pins=pins)
+
+
+# --------------------------------------------------------------------------------------------------
+# Markdown (GitHub-flavoured: tables, relative image links, a collapsed recipe)
+# --------------------------------------------------------------------------------------------------
 
 
 def _fmt(value: Any) -> str:
@@ -119,28 +214,159 @@ def _fmt(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def _cell(value: Any) -> str:
+    """A table cell: pipes escaped, on one line."""
+    return _fmt(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header: list[str], rows: list[list[Any]], align: str = "") -> list[str]:
+    """A Markdown table; ``align`` has one letter per column, l or r (default: first left, the rest right)."""
+    align = align or "l" + "r" * (len(header) - 1)
+    rule = "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"
+    return [
+        "| " + " | ".join(header) + " |",
+        rule,
+        *("| " + " | ".join(_cell(v) for v in row) + " |" for row in rows),
+    ]
+
+
+def _method(report: RecipeReport) -> str:
+    quantization = report.config.get("quantization") or {}
+    method = str(quantization.get("method") or "-")
+    rotate = quantization.get("rotate")
+    return f"{method}, {rotate} rotation" if rotate and rotate != "none" else method
+
+
+def _schemes(report: RecipeReport) -> str:
+    groups = report.checkpoint.get("groups") or []
+    if len(groups) == 1:
+        return f"{groups[0]['scheme']} ({groups[0]['layers']} layers)"
+    if groups:
+        mixed = (report.config.get("quantization") or {}).get("mixed") or {}
+        budget = f"target {mixed['target_bits']:g} bits/w" if mixed.get("target_bits") else "mixed plan"
+        return f"mixed ({budget}): {len(groups)} schemes, layers per scheme below"
+    scheme = (report.config.get("quantization") or {}).get("scheme") or {}
+    return ", ".join(f"{k} {v}" for k, v in scheme.items()) or "-"
+
+
+def _summary_rows(report: RecipeReport) -> list[list[Any]]:
+    ckpt = report.checkpoint
+    rows: list[list[Any]] = [
+        ["model", f"`{report.config.get('model', '-')}`"],
+        ["method", _method(report)],
+        ["scheme", _schemes(report)],
+    ]
+    if ckpt:
+        ratio = ckpt["dense_bf16_bytes"] / ckpt["bytes"] if ckpt["bytes"] else float("nan")
+        rows.append(["size", f"{format_mb(ckpt['bytes'])} (bf16 {format_mb(ckpt['dense_bf16_bytes'])}, x{ratio:.2f})"])
+        rows.append(
+            [
+                "bits per weight",
+                f"{ckpt['bits_per_weight']:.3f} (quantized Linears); {ckpt['model_bits_per_weight']:.3f} (whole model)",
+            ]
+        )
+    elif "checkpoint MB" in report.figures:
+        rows.append(["size", f"{report.figures['checkpoint MB']} MB"])
+    cached = [s.name for s in report.stages if s.cached]
+    seconds = sum(s.seconds for s in report.stages)
+    rows.append(["time", f"{seconds:.1f} s" + (f" (cached: {', '.join(cached)})" if cached else "")])
+    rows.append(["checkpoint", f"`{report.output}`"])
+    return rows
+
+
+METRICS = (  # (label, figure key, format)
+    ("perplexity", "perplexity", "{:.4f}"),
+    ("reference perplexity", "baseline perplexity", "{:.4f}"),
+    ("perplexity increase", "perplexity increase %", "{:+.2f}%"),
+    ("KL mean", "kl mean", "{:.4g}"),
+    ("KL p99", "kl p99", "{:.4g}"),
+    ("top-1 agreement", "top-1 agreement", "{:.4f}"),
+)
+
+
+def _metric_rows(report: RecipeReport) -> list[list[Any]]:
+    rows = [[label, fmt.format(report.figures[key])] for label, key, fmt in METRICS if key in report.figures]
+    if "eval windows" in report.figures:
+        tokens = report.figures.get("eval tokens")
+        rows.append(
+            ["evaluated on", f"{report.figures['eval windows']} windows" + (f", {tokens:,} tokens" if tokens else "")]
+        )
+    return rows
+
+
 def render_markdown(report: RecipeReport) -> str:
-    verdict = "PASSED" if report.passed else "FAILED"
-    lines = [f"# Recipe report: {report.recipe or report.output}", "", f"**{verdict}** - checkpoint `{report.output}`"]
-    lines += ["", "## Gates", "", "| gate | measured | threshold | margin | verdict |", "|---|---|---|---|---|"]
-    lines += [
-        f"| {g.name} | {g.value:.6g} | {g.comparison} {g.threshold:g} | {g.margin:+.6g} | "
-        f"{'pass' if g.passed else 'FAIL'} |"
+    """The report as Markdown that renders on GitHub: summary, metrics, gates, plots, then the details."""
+    failed = [g.name for g in report.gates if not g.passed]
+    verdict = f"**{'PASSED' if report.passed else 'FAILED'}**"
+    if report.gates:
+        verdict += ": " + (f"failed {', '.join(failed)}" if failed else f"all {len(report.gates)} gates passed")
+    lines = [f"# Recipe report: {report.recipe or report.output}", "", verdict, "", "## Summary", ""]
+    lines += _table(["run", ""], _summary_rows(report), "ll")
+    groups = report.checkpoint.get("groups") or []
+    if len(groups) > 1:
+        rows = [
+            [g["scheme"], g["layers"], f"{g['params']:,}", mb_number(g["bytes"]), f"{g['bits_per_weight']:.3f}"]
+            for g in groups
+        ]
+        lines += ["", "Layers per scheme (MB: packed weights, scales and zero points):", ""]
+        lines += _table(["scheme", "layers", "params", "MB", "bits/w"], rows)
+    lines += ["", "## Metrics", ""]
+    metrics = _metric_rows(report)
+    lines += _table(["metric", "value"], metrics) if metrics else ["No evaluation figures."]
+    lines += ["", "## Gates", ""]
+    gate_rows = [
+        [
+            g.name,
+            f"{g.comparison} {g.threshold:g}",
+            f"{g.value:.6g}",
+            f"{g.margin:+.6g}",
+            "PASS" if g.passed else "FAIL",
+        ]
         for g in report.gates
     ]
-    if not report.gates:
-        lines.append("| (none) | | | | |")
+    lines += (
+        _table(["gate", "threshold", "value", "margin", "result"], gate_rows, "lrrrl")
+        if gate_rows
+        else ["No gates set."]
+    )
     if report.smoke is not None:
-        lines += ["", f"Smoke test: {'ok' if report.smoke.get('ok') else 'FAILED'} ({_fmt(report.smoke)})"]
-    lines += ["", "## Figures", "", "| figure | value |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in report.figures.items()]
-    lines += ["", "## Stages", "", "| stage | seconds | cached | key |", "|---|---|---|---|"]
-    lines += [f"| {s.name} | {s.seconds:.2f} | {'yes' if s.cached else 'no'} | {s.key or ''} |" for s in report.stages]
-    lines += ["", "## Content hashes", "", "| what | hash |", "|---|---|"]
-    lines += [f"| {k} | `{v}` |" for k, v in report.hashes.items()]
-    lines += ["", "## Environment", "", "| | |", "|---|---|"]
-    lines += [f"| {k} | {_fmt(v)} |" for k, v in report.environment.items()]
-    lines += ["", "## Recipe (resolved)", "", "```json", json.dumps(report.config, indent=2), "```", ""]
+        smoke = report.smoke
+        failures = "; ".join(smoke.get("failures") or []) or "-"
+        lines += ["", "## Smoke test", ""]
+        lines += _table(
+            ["result", "requests", "seconds", "failures"],
+            [["ok" if smoke.get("ok") else "FAILED", smoke.get("requests"), smoke.get("seconds"), failures]],
+            "lrrl",
+        )
+    lines += ["", "## Plots", ""]
+    for title, name in report.plots.items():
+        lines += [f"### {title}", "", f"![{title}]({name})", ""]
+    if report.plots_note:
+        lines += [report.plots_note[0].upper() + report.plots_note[1:] + ".", ""]
+    lines += ["## Stages", ""]
+    lines += _table(
+        ["stage", "seconds", "cached", "detail", "key"],
+        [
+            [s.name, f"{s.seconds:.2f}", "yes" if s.cached else "no", s.detail, f"`{s.key}`" if s.key else ""]
+            for s in report.stages
+        ],
+        "lrlll",
+    )
+    shown = {key for _, key, _ in METRICS} | {"eval windows", "eval tokens"}
+    shown |= {"checkpoint MB"} if report.checkpoint else set()  # the summary's size
+    other = [[k, v] for k, v in report.figures.items() if k not in shown]
+    if other:
+        lines += ["", "## Other figures", "", *_table(["figure", "value"], other)]
+    lines += [
+        "",
+        "## Content hashes",
+        "",
+        *_table(["what", "hash"], [[k, f"`{v}`"] for k, v in report.hashes.items()], "ll"),
+    ]
+    env = [[k, f"`{v}`" if k == "argv" else v] for k, v in report.environment.items()]
+    lines += ["", "## Environment", "", *_table(["what", "value"], env, "ll")]
+    recipe = yaml.safe_dump(report.config, sort_keys=False, default_flow_style=False, width=1000).rstrip()
+    lines += ["", "<details><summary>Recipe (resolved)</summary>", "", "```yaml", recipe, "```", "", "</details>", ""]
     return "\n".join(lines)
 
 

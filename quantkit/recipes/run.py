@@ -20,6 +20,7 @@ from quantkit.recipes.stages import (
     export_stage,
     mixed_stages,
     model_stage,
+    preflight,
     quantize_stage,
     smoke_stage,
 )
@@ -34,6 +35,7 @@ def run_recipe(
     show_progress: bool = True,
 ) -> RecipeReport:
     """Run every stage of ``recipe``; write report.json and report.md; return the report (gates decided)."""
+    preflight(recipe)
     run = RecipeRun(recipe, console, show_progress)
     output = Path(recipe.output.directory)
     report_dir = Path(report_dir) if report_dir is not None else output / "report"
@@ -60,6 +62,7 @@ def run_recipe(
         environment=environment(),
         smoke=smoke,
         config=recipe_to_dict(recipe),
+        artifacts=run.artifacts,
     )
     write_report(report, report_dir, recipe_secrets(recipe))
     return report

@@ -49,7 +49,6 @@ __all__ = [
     "recipe_to_dict",
 ]
 
-EVAL_WINDOWS = 40  # a recipe evaluates 40 windows unless told otherwise (null: every window)
 SMOKE_MAX_TOKENS = 16
 Strategy = one_of(STRATEGIES)
 Selection = one_of(SELECTIONS)
@@ -70,6 +69,9 @@ class CalibrationSection(FileModel):
     select: Selection = CalibrationConfig.select
     min_length: int | None = Field(CalibrationConfig.min_length, ge=1)
     text_column: str = CalibrationConfig.text_column
+    # use a text that covers under a quarter of the requested tokens; left out of dumps (and so of the recipe
+    # cache keys made from them) while false, so keys made before this field existed stay valid
+    allow_small: bool = Field(CalibrationConfig.allow_small, exclude_if=lambda value: not value)
 
 
 class SchemeSection(FileModel):
@@ -164,7 +166,7 @@ class OutputSection(FileModel):
 
 class EvaluationSection(FileModel):
     dataset: str | None = EvalConfig.dataset  # None: the shipped held-out text
-    windows: int | None = Field(EVAL_WINDOWS, ge=1)  # None: every window
+    windows: int | None = Field(EvalConfig.max_windows, ge=1)  # None: every window
     seq_len: int = Field(EvalConfig.seq_len, ge=2)
     reference: str | None = EvalConfig.reference  # None: the recipe's model
     batch_size: int = Field(EvalConfig.batch_size, ge=1)

@@ -15,11 +15,14 @@ from rich.console import Console
 
 from quantkit.atomic import write_json
 from quantkit.errors import QuantkitError
+from quantkit.progress import Interrupted
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.recipes.cache import checkpoint_hash, content_key, model_identity, recipe_cache_root
 from quantkit.recipes.report import StageRecord
 from quantkit.recipes.schema import Recipe
+
+RERUN_HINT = "rerun the recipe to continue (finished stages{} are reused)"  # quantize adds: " and blocks"
 
 
 def section_fields(section: Any) -> dict[str, Any]:
@@ -37,19 +40,34 @@ class RecipeRun:
         self.stages: list[StageRecord] = []
         self.hashes: dict[str, str] = {}
         self.figures: dict[str, Any] = {}
+        self.artifacts: dict[str, str] = {}  # files the report reads again: "measurement", "plan"
         self.root = recipe_cache_root()
 
     @contextmanager
     def stage(self, name: str) -> Iterator[StageRecord]:
         record = StageRecord(name, 0.0, False)
         start = time.perf_counter()
-        yield record
+        try:
+            yield record
+        except Interrupted as exc:  # quantize's "after block 11/30": a rerun resumes after that block
+            raise exc.within(f"stage {name}", RERUN_HINT.format(" and blocks")) from exc
+        except KeyboardInterrupt as exc:
+            raise Interrupted(where=f"stage {name}", hint=RERUN_HINT.format("")) from exc
         record.seconds = time.perf_counter() - start
         self.stages.append(record)
         if self.console is not None:
             tag = " [cyan](cached)[/]" if record.cached else ""
             detail = f"  {record.detail}" if record.detail else ""
             self.console.print(f"[green]✓[/] {name:<12} {record.seconds:7.1f} s{tag}{detail}")
+
+
+def preflight(recipe: Recipe) -> None:
+    """Before the first stage: every stage's optional dependencies (extras) are installed, so a missing one fails
+    now, in one line naming the extra and the stage, not after the quantization."""
+    from quantkit.extras import require
+
+    if recipe.smoke.enabled:
+        require("serve", "the recipe's smoke stage (smoke.enabled: true)", otherwise="set smoke.enabled: false")
 
 
 def model_stage(run: RecipeRun) -> tuple[Path, str]:
@@ -133,6 +151,7 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
         st.key = content_key(measurement=run.hashes["measurement"], budget=[mixed.target_bits, mixed.max_size_mb])
         plan_path = save_plan(chosen, run.root / "plans" / f"{st.key}-{content_key(pins=mixed.pins)}.yaml")
         st.detail = f"{chosen.bits_per_weight:.3f} bits/weight"
+    run.artifacts |= {"measurement": str(path), "plan": str(plan_path)}
     run.figures["planned bits per weight"] = round(chosen.bits_per_weight, 4)
     run.figures["planned size MB"] = round(chosen.size_mb, 3)
     return plan_path
@@ -261,6 +280,8 @@ def quantize_stage(run: RecipeRun, model_path: Path, calib_path: Path, plan_path
         st.key = content_key(**expected)
         found = read_run_fingerprints(output)
         st.cached = found == expected
+        if not st.cached and _interrupted_run_of(output, expected):
+            config.resume = True  # an earlier run of this recipe was interrupted: continue after its last block
         if not st.cached:
             if output.exists() and not run.recipe.output.force:
                 differs = [k for k in expected if found and found.get(k) != expected[k]]
@@ -278,6 +299,16 @@ def quantize_stage(run: RecipeRun, model_path: Path, calib_path: Path, plan_path
     run.hashes["checkpoint fingerprints"] = st.key
     run.hashes["checkpoint files"] = checkpoint_hash(output)
     run.figures["checkpoint MB"] = round(sum(f.stat().st_size for f in output.glob("*.safetensors")) / 1e6, 3)
+
+
+def _interrupted_run_of(output: Path, expected: dict[str, str]) -> bool:
+    """Whether ``output``'s work directory holds an interrupted quantization with these fingerprints."""
+    from quantkit.quantization.workdir import STATE, partial_dir
+
+    try:
+        return json.loads((partial_dir(output) / STATE).read_text()).get("fingerprints") == expected
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def export_stage(run: RecipeRun, output: Path) -> None:

@@ -273,9 +273,11 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         return TorchAttentionBackend()
     if name == "triton":
         if not triton_available():
+            from quantkit.extras import install_command
+
             raise QuantkitError(
-                "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 set before triton is "
-                "imported, for testing); use backend='torch' or 'auto'"
+                f"backend='triton' needs triton (the 'gpu' extra: {install_command('gpu')}) and a CUDA device (or "
+                "TRITON_INTERPRET=1 set before triton is imported, for testing); use backend='torch' or 'auto'"
             )
         return TritonAttentionBackend()
     raise QuantkitError(f"backend={name!r} is invalid; use 'auto', 'torch' or 'triton'")

@@ -84,7 +84,7 @@ class BlockManager:
 
     def _match_prefix(self, seq: Sequence) -> list[int]:
         """Block ids of the longest cached prefix of full blocks, leaving at least the last token uncached."""
-        if not self.enable_prefix_caching:
+        if not (self.enable_prefix_caching and seq.reads_prefix_cache):
             return []
         hits: list[int] = []
         prev: bytes | None = None

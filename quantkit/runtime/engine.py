@@ -1,7 +1,9 @@
 """The serving engine: requests in, one continuous-batching step at a time, outputs out.
 
 ``step()`` is: schedule -> run the model -> sample (only sequences whose prefill is complete) -> postprocess ->
-detokenize and apply stop strings (:mod:`quantkit.runtime.detokenizer`). A request that could never run (prompt
+detokenize and apply stop strings (:mod:`quantkit.runtime.detokenizer`). Requests that ask for log-probabilities
+(``SamplingParams.logprobs`` / ``prompt_logprobs``, :mod:`quantkit.runtime.logprobs`) get them scored from the same
+forward pass; the others pay nothing for it. A request that could never run (prompt
 longer than ``max_model_len``, more KV blocks than the cache holds, invalid sampling parameters, token ids outside
 the vocabulary) is refused by ``add_request`` with a ``QuantkitError`` before it touches the scheduler or the
 cache; other requests are unaffected.
@@ -27,8 +29,9 @@ from quantkit.runtime.attention_backend import select_backend
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.detokenizer import Detokenizer
+from quantkit.runtime.logprobs import TokenLogprob, token_logprobs
 from quantkit.runtime.model import ModelConfig, load_model, read_generation_eos
-from quantkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
+from quantkit.runtime.model_runner import ModelRunner, ScoredRows, kv_bytes_per_block
 from quantkit.runtime.sampler import Sampler
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -58,6 +61,9 @@ class RequestOutput:
     arrival_time: float = 0.0  # time.perf_counter() stamps
     first_token_time: float | None = None
     finish_time: float | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing scores it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per completion token
 
 
 @dataclass(slots=True, eq=False)
@@ -72,6 +78,8 @@ class _Request:
     text: str = ""
     finish_time: float | None = None
     error: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # filled by prefill steps, in prompt order
+    logprobs: list[TokenLogprob] | None = None  # appended as tokens are sampled (trimmed to the completion on output)
 
 
 class Engine:
@@ -158,6 +166,10 @@ class Engine:
         text_prompt = prompt if isinstance(prompt, str) else None
         detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
         req = _Request(request_id, seq, text_prompt, gen, time.perf_counter(), detok)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
+        if params.logprobs is not None:
+            req.logprobs = []
         self._requests[seq.seq_id] = self._by_id[request_id] = req
         return request_id
 
@@ -208,8 +220,14 @@ class Engine:
             drafts = self._propose(out) if self.speculator is not None and not out.is_prefill else {}
             with profile.stage("prepare"):
                 inputs = self.runner.prepare(out)
+                scored, owners = self._prompt_rows(out) if out.is_prefill else (None, [])
             with profile.stage("forward"):
-                logits = self.runner.forward(out, inputs)
+                if scored is None:
+                    logits, scores = self.runner.forward(out, inputs), []
+                else:
+                    logits, scores = self.runner.forward_scored(out, inputs, scored)
+            for req, score in zip(owners, scores, strict=True):
+                req.prompt_logprobs.append(score)  # type: ignore[union-attr]
             with profile.stage("sample"):
                 tokens = self._sample(out, logits, drafts)
         except Exception as exc:  # a failed batch fails its own requests, not the engine
@@ -230,6 +248,28 @@ class Engine:
             self.scheduler.add_drafts(out, {seq_id: d.tokens for seq_id, d in drafts.items()})
         return {s.seq_id: drafts[s.seq_id] for s in out.seqs if s.num_draft_tokens}
 
+    def _prompt_rows(self, out: SchedulerOutput) -> tuple[ScoredRows | None, list[_Request]]:
+        """The rows of a prefill step that score prompt tokens not scored yet (position ``p`` scores token ``p + 1``),
+        and the request each belongs to; (None, []) when no request in the step scores its prompt."""
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        owners: list[_Request] = []
+        offset = 0
+        for seq, n in zip(out.seqs, out.num_tokens, strict=True):
+            req = self._requests[seq.seq_id]
+            k = seq.sampling_params.prompt_logprobs
+            if req.prompt_logprobs is not None and k is not None:
+                start = seq.num_computed_tokens
+                # scored already: tokens [0, len); a re-prefill after preemption scores nothing again
+                first, end = max(start, len(req.prompt_logprobs) - 1), min(start + n, seq.num_prompt_tokens - 1)
+                rows += range(offset + first - start, offset + end - start)
+                targets += seq.token_ids[first + 1 : end + 1]
+                ks += [k] * max(0, end - first)
+                owners += [req] * max(0, end - first)
+            offset += n
+        return (ScoredRows(rows, targets, ks), owners) if rows else (None, [])
+
     def _check_progress(self) -> None:
         self._idle_steps += 1  # an empty step is normal right after every running sequence was preempted
         if self._idle_steps > 2 and self.has_unfinished():
@@ -242,7 +282,10 @@ class Engine:
         first = list(itertools.accumulate([0, *out.num_tokens]))  # logits row of each sequence's first token
         last_row = [first[i + 1] - 1 for i in range(len(seqs))] if not out.is_prefill else list(range(len(seqs)))
         done = [s.num_computed_tokens + n == len(s) for s, n in zip(seqs, out.num_tokens, strict=True)]
-        plain = [i for i, s in enumerate(seqs) if done[i] and s.seq_id not in drafts]
+        # a prefill-only request (max_tokens 0) samples nothing
+        plain = [
+            i for i, s in enumerate(seqs) if done[i] and s.seq_id not in drafts and s.sampling_params.max_tokens > 0
+        ]
         if plain:
             rows = [last_row[i] for i in plain]
             sub = logits if len(rows) == logits.shape[0] else logits[rows]
@@ -250,13 +293,24 @@ class Engine:
             sampled = self.sampler(sub, [seqs[i].sampling_params for i in plain], gens)
             for i, t in zip(plain, sampled, strict=True):
                 tokens[i] = [t]
+            scored = [j for j, i in enumerate(plain) if seqs[i].sampling_params.logprobs is not None]
+            if scored:
+                self._score(sub[scored], [seqs[plain[j]] for j in scored], [sampled[j] for j in scored])
         assert self.speculator is not None or not drafts
         for i, seq in enumerate(seqs):
             if seq.seq_id in drafts:
                 generator = self.sampler.generator_for(self._requests[seq.seq_id].generator)
                 rows = logits[first[i] : first[i + 1]]
                 tokens[i] = self.speculator.verify(seq, drafts[seq.seq_id], rows, generator)  # type: ignore[union-attr]
+                if seq.sampling_params.logprobs is not None:  # row j scored the j-th token appended
+                    self._score(rows[: len(tokens[i])], [seq] * len(tokens[i]), tokens[i])
         return tokens
+
+    def _score(self, logits: torch.Tensor, seqs: list[Sequence], tokens: list[int]) -> None:
+        """Record the log-probability of each sampled token (row ``r`` of ``logits`` scored ``tokens[r]``)."""
+        ks = [s.sampling_params.logprobs or 0 for s in seqs]
+        for seq, score in zip(seqs, token_logprobs(logits, tokens, ks), strict=True):
+            self._requests[seq.seq_id].logprobs.append(score)  # type: ignore[union-attr]
 
     def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
         _log.exception("a batch of %d requests failed; finishing them with an error", len(seqs))
@@ -280,9 +334,9 @@ class Engine:
         outputs = []
         for seq, new, size in zip(seqs, tokens, sizes, strict=True):
             req = self._requests.get(seq.seq_id)
-            if req is None or not new:
+            if req is None or not (new or seq.is_finished):  # a finished prefill-only request has no new token
                 continue
-            if req.first_token_time is None:
+            if req.first_token_time is None and new:
                 req.first_token_time = now
             self._detokenize(req, size)
             if seq.is_finished:
@@ -327,6 +381,8 @@ class Engine:
             arrival_time=req.arrival_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
+            prompt_logprobs=req.prompt_logprobs,
+            logprobs=req.logprobs[: seq.num_completion_tokens] if req.logprobs is not None else None,
         )
 
 

@@ -3,21 +3,34 @@
 For a sequence scheduled with ``n`` tokens, positions are ``[num_computed_tokens, num_computed_tokens + n)`` and
 position ``p`` lives in cache slot ``block_table[p // block_size] * block_size + p % block_size``. Index tensors
 are built once per step from Python lists; only the rows whose logits are needed (each sequence's last
-scheduled token) go through the LM head.
+scheduled token, and the prompt positions a request scores) go through the LM head.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
 from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
 from quantkit.runtime.kv_cache import KVCache, bytes_per_block
 from quantkit.runtime.layers import Attention
+from quantkit.runtime.logprobs import TokenLogprob, token_logprobs
 from quantkit.runtime.model import CausalLM
 from quantkit.runtime.scheduler import SchedulerOutput
 from quantkit.runtime.sequence import Sequence
 
 ModelInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
+SCORE_CHUNK = 256  # rows of [rows, vocab] fp32 logits scored at a time (a 150k vocab: 154 MB)
+
+
+class ScoredRows(NamedTuple):
+    """Rows of a step's flattened tokens to score: the token each row's logits score, and how many of the most
+    likely tokens to list there."""
+
+    rows: list[int]
+    targets: list[int]
+    ks: list[int]
 
 
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -97,13 +110,27 @@ class ModelRunner:
         pos = self._tensor(positions, torch.int64)
         return self._tensor(ids, torch.int64), pos, meta, self._tensor(last, torch.int64)
 
-    @torch.inference_mode()
     def forward(self, out: SchedulerOutput, inputs: ModelInputs) -> torch.Tensor:
         """fp32 logits: prefill, ``[B, vocab]`` at each sequence's last token; decode, ``[T, vocab]`` at every
         scheduled token (one per sequence, or its last token and drafts in order when it verifies drafts)."""
+        return self.forward_scored(out, inputs, None)[0]
+
+    @torch.inference_mode()
+    def forward_scored(
+        self, out: SchedulerOutput, inputs: ModelInputs, scored: ScoredRows | None
+    ) -> tuple[torch.Tensor, list[TokenLogprob]]:
+        """:meth:`forward`'s logits, and with ``scored`` the log-probabilities of ``scored.targets`` at the given rows
+        of the step's flattened tokens (prompt scoring), computed :data:`SCORE_CHUNK` rows at a time so that a long
+        prompt never holds a ``[tokens, vocab]`` logits tensor. Without ``scored`` this costs nothing extra."""
         input_ids, positions, meta, last = inputs
         hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[last] if out.is_prefill else hidden)
+        scores: list[TokenLogprob] = []
+        if scored is not None:
+            for lo in range(0, len(scored.rows), SCORE_CHUNK):
+                part = slice(lo, lo + SCORE_CHUNK)
+                logits = self.model.compute_logits(hidden[self._tensor(scored.rows[part], torch.int64)])
+                scores += token_logprobs(logits, scored.targets[part], scored.ks[part])
+        return self.model.compute_logits(hidden[last] if out.is_prefill else hidden), scores
 
     def run(self, out: SchedulerOutput) -> torch.Tensor:
         return self.forward(out, self.prepare(out))

@@ -15,10 +15,14 @@ class SamplingParams:
     top_p: float = 1.0  # nucleus mass, in (0, 1]
     top_k: int = -1  # -1: disabled
     seed: int | None = None  # per-request generator seed; None: the engine's global generator
-    max_tokens: int = 16  # completion tokens to generate at most
+    max_tokens: int = 16  # completion tokens to generate at most; 0 (with prompt_logprobs): score the prompt only
     stop: list[str] = field(default_factory=list)  # stop strings, matched by the engine after detokenizing
     stop_token_ids: list[int] = field(default_factory=list)  # finish on any of these (even with ignore_eos)
     ignore_eos: bool = False  # keep generating past the EOS token (benchmarks)
+    # Log-probabilities (see quantkit.runtime.logprobs: the raw distribution, before temperature/top-k/top-p).
+    # None: not computed (nothing is paid); k >= 0: each token's own log-probability and the k most likely tokens'.
+    logprobs: int | None = None  # for each generated token
+    prompt_logprobs: int | None = None  # for each prompt token but the first; such a request skips the prefix cache
 
     def __post_init__(self) -> None:
         # Own copies: a caller's list mutated later must not change a running request.
@@ -47,8 +51,8 @@ class SamplingParams:
         valid = "None or an integer in [0, 2**64)"
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             _fail("seed", self.seed, valid)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            _fail("max_tokens", self.max_tokens, "an integer >= 1")
+        if not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            _fail("max_tokens", self.max_tokens, "an integer >= 1 (0, to only score the prompt, with prompt_logprobs)")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 _fail("stop", self.stop, "a list of non-empty strings")
@@ -57,6 +61,10 @@ class SamplingParams:
                 _fail("stop_token_ids", self.stop_token_ids, "a list of token ids (integers >= 0)")
         if not isinstance(self.ignore_eos, bool):
             _fail("ignore_eos", self.ignore_eos, "True or False")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                _fail(name, value, "None or an integer >= 0 (how many of the most likely tokens to list)")
 
 
 def _fail(name: str, value: object, valid: str) -> NoReturn:

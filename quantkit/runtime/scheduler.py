@@ -110,8 +110,9 @@ class Scheduler:
                 f"request {seq.seq_id}: prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {prompt + max_tokens} "
                 f"exceeds max_model_len={self.config.max_model_len}; shorten the prompt or lower max_tokens"
             )
-        # The KV of the final sampled token is never computed, so at most prompt + max_tokens - 1 tokens.
-        need = self.block_manager.blocks_needed(prompt + max_tokens - 1)
+        # The KV of the final sampled token is never computed, so at most prompt + max_tokens - 1 tokens (the whole
+        # prompt for a request that only scores it, max_tokens 0).
+        need = self.block_manager.blocks_needed(prompt + max(max_tokens - 1, 0))
         if need > self.block_manager.num_blocks:
             raise QuantkitError(
                 f"request {seq.seq_id} needs up to {need} KV blocks but the cache has only "
@@ -216,7 +217,8 @@ class Scheduler:
 
         ``token_ids[i]`` is the token sampled for ``seqs[i]`` (or the list of tokens to append: the accepted
         drafts and the target's token, after verification); for a prefill chunk that does not reach the end of
-        the sequence it is ignored (pass anything, e.g. -1 or []).
+        the sequence it is ignored (pass anything, e.g. -1 or []). An empty list at the end of a prefill finishes
+        the sequence (LENGTH): a request with max_tokens 0, which only scores its prompt.
         """
         if len(seqs) != len(token_ids):
             raise ValueError(f"{len(seqs)} sequences but {len(token_ids)} sampled tokens")
@@ -237,7 +239,8 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 self.block_manager.cache_computed_blocks(seq)
                 continue  # a chunk of a longer prefill: nothing sampled yet
-            reason = None
+            # A prefill-only request (max_tokens 0, scoring its prompt) samples nothing and is done.
+            reason = FinishReason.LENGTH if not tokens else None
             for token_id in tokens:
                 seq.append_token(token_id)
                 reason = self._stop_reason(seq, token_id)

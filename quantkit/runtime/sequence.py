@@ -80,6 +80,12 @@ class Sequence:
         return self.token_ids[-1]
 
     @property
+    def reads_prefix_cache(self) -> bool:
+        """False for a request that scores its prompt: every prompt position must run through the model (its
+        computed blocks are still registered for later requests)."""
+        return self.sampling_params.prompt_logprobs is None
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens still to run through the model before the next token can be sampled (1 when decoding)."""
         return len(self.token_ids) - self.num_computed_tokens

@@ -6,7 +6,6 @@ import asyncio
 import copy
 import hmac
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,11 +22,12 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quantkit.errors import QuantkitError
+from quantkit.model.gguf_import import ALIASES
 from quantkit.runtime.engine import Engine, RequestOutput
-from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
 from quantkit.server.async_engine import AsyncEngine, bad_request
 from quantkit.server.config import ServeConfig
+from quantkit.server.logprobs import TokenStrings, completion_logprobs
 from quantkit.server.metrics import Metrics, resident_memory_bytes
 from quantkit.server.protocol import (
     APIError,
@@ -37,12 +37,14 @@ from quantkit.server.protocol import (
     ChatRequest,
     ChatResponse,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
     ErrorResponse,
     Usage,
     chunk,
     new_id,
+    path_redactor,
 )
 
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
@@ -75,19 +77,22 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
     """``engine_or_model``: an :class:`Engine`, or anything ``quantkit.LLM`` accepts (loaded now)."""
     config = config or ServeConfig()
     if isinstance(engine_or_model, Engine):
-        engine, default_name = engine_or_model, engine_or_model.path.name
+        engine, default_name = engine_or_model, default_served_name(engine_or_model.path)
     else:
-        engine, default_name = Engine(engine_or_model, config.engine_config()), _model_name(engine_or_model)
+        engine, default_name = Engine(engine_or_model, config.engine_config()), default_served_name(engine_or_model)
     metrics = Metrics()
     name = config.served_model_name or default_name
+    local = [engine.path, engine_or_model if not isinstance(engine_or_model, Engine) else None, config.draft_model]
+    redact = path_redactor(str(p) for p in local if p is not None)
     state = ServerState(
-        AsyncEngine(engine, config.max_queue, metrics),
+        AsyncEngine(engine, config.max_queue, metrics, redact),
         metrics,
         name,
         config.api_key,
         config.max_body_bytes,
         config.body_timeout,
     )
+    started = int(time.time())
     tokenizer = _Tokenizer(engine.tokenizer)
     max_chars = CHARS_PER_TOKEN_LIMIT * engine.max_model_len
 
@@ -113,43 +118,54 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "quantkit"}
+        card = {"id": state.model_name, "object": "model", "created": started, "owned_by": "quantkit"}
         return {"object": "list", "data": [{**card, "max_model_len": engine.max_model_len}]}
 
     @app.get("/metrics", response_class=PlainTextResponse)
     async def prometheus() -> PlainTextResponse:
         stats = state.engine.stats
-        gauges = {
-            "quantkit_num_requests_running": ("Sequences in the running batch.", lambda: stats.running),
-            "quantkit_num_requests_waiting": ("Sequences waiting for admission.", lambda: stats.waiting),
-            "quantkit_num_requests_in_flight": ("HTTP requests being served.", lambda: state.engine.num_in_flight),
-            "quantkit_kv_cache_usage_ratio": ("Fraction of KV blocks in use.", lambda: stats.kv_usage),
-            "quantkit_kv_cache_free_blocks": ("Free KV blocks.", lambda: stats.free_blocks),
+        sampled = {  # vLLM's names where the meaning is vLLM's (see quantkit.server.metrics)
+            "vllm:num_requests_running": ("gauge", "Sequences in the running batch.", lambda: stats.running),
+            "vllm:num_requests_waiting": ("gauge", "Sequences waiting for admission.", lambda: stats.waiting),
+            "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage; 1 means 100 percent.", lambda: stats.kv_usage),
+            "vllm:num_preemptions_total": (
+                "counter", "Sequences preempted (sent back to waiting, recomputed later).", lambda: stats.preemptions
+            ),
+            "quantkit_num_requests_in_flight": (
+                "gauge", "HTTP requests being served.", lambda: state.engine.num_in_flight
+            ),
+            "quantkit_kv_cache_free_blocks": ("gauge", "Free KV blocks.", lambda: stats.free_blocks),
             "quantkit_spec_decode_acceptance_rate": (
-                "Draft tokens accepted / drafted (speculative decoding).",
-                lambda: stats.spec_acceptance,
+                "gauge", "Draft tokens accepted / drafted (speculative decoding).", lambda: stats.spec_acceptance
             ),
             "quantkit_spec_decode_tokens_per_step": (
-                "Tokens per target pass of a sequence with drafts.",
-                lambda: stats.spec_tokens_per_step,
+                "gauge", "Tokens per target pass of a sequence with drafts.", lambda: stats.spec_tokens_per_step
             ),
-            "process_resident_memory_bytes": ("Resident memory of the server process.", resident_memory_bytes),
-        }
-        return PlainTextResponse(state.metrics.render(gauges), media_type="text/plain; version=0.0.4")
+            "process_resident_memory_bytes": ("gauge", "Resident memory of the server process.", resident_memory_bytes),
+        }  # fmt: skip
+        text = state.metrics.render(state.model_name, sampled)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    @app.post("/v1/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse}, **ERROR_RESPONSES})
     async def completions(req: CompletionRequest, request: Request) -> Any:
+        created = int(time.time())
         _check(req, state, engine.max_model_len)
         prompt = req.single_prompt()
         params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16)
+        text = prompt if isinstance(prompt, str) else None
         if isinstance(prompt, str) and tokenizer.tokenizer is not None:  # without one the engine says so
             _check_chars(len(prompt), max_chars, "prompt")
             prompt = await tokenizer.run(_encode, prompt)
+        reply = _Reply(False, params.stop, req.include_usage, created, req.logprobs, req.return_tokens_as_token_ids)
+        reply.tokenizer = tokenizer
+        if req.echo:
+            reply.echo = text if text is not None else await tokenizer.run(_decode, prompt)
         rid = await state.engine.add(lambda _: (prompt, params))
-        return await _respond(state, req, rid, params, request, chat=False)
+        return await _respond(state, req, rid, reply, request)
 
-    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", responses={200: {"model": ChatResponse}, **ERROR_RESPONSES})
     async def chat(req: ChatRequest, request: Request) -> Any:
+        created = int(time.time())
         _check(req, state, engine.max_model_len)
         messages = req.plain_messages()
         limit = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
@@ -159,7 +175,7 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
         if limit is None:  # as OpenAI: up to the context length
             params.max_tokens = max(1, engine.max_model_len - len(ids))
         rid = await state.engine.add(lambda _: (ids, params))
-        return await _respond(state, req, rid, params, request, chat=True)
+        return await _respond(state, req, rid, _Reply(True, params.stop, req.include_usage, created), request)
 
     return app
 
@@ -182,6 +198,12 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text).input_ids)  # as Engine.encode
 
 
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    """The echoed text of a prompt sent as token ids: decoded with its special tokens, as vLLM does (nothing
+    without a tokenizer)."""
+    return "" if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=False))
+
+
 class _Tokenizer:
     """Prompts are tokenized on a thread of their own with their own copy of the tokenizer: never on the event
     loop, and never on the engine thread, where a huge prompt would stall every running request."""
@@ -191,6 +213,8 @@ class _Tokenizer:
             self.tokenizer = copy.deepcopy(tokenizer)  # not shared with the engine thread's detokenizer
         except Exception:  # a tokenizer that cannot be copied: calls that only read it are thread-safe
             self.tokenizer = tokenizer
+        self.strings = TokenStrings(self.tokenizer)  # token strings for logprobs, memoized on this thread
+        self.id_strings = TokenStrings(None)  # "token_id:<id>" (return_tokens_as_token_ids)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="quantkit-tokenize")
 
     async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
@@ -199,6 +223,11 @@ class _Tokenizer:
             return await asyncio.get_running_loop().run_in_executor(self._pool, fn, self.tokenizer, *args)
         except QuantkitError as exc:
             raise bad_request(str(exc)) from None
+
+    async def run_strings(self, as_ids: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(token_strings, *args)`` on the tokenizer thread (``as_ids``: strings ``token_id:<id>``)."""
+        strings = self.id_strings if as_ids else self.strings
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, strings, *args)
 
 
 def _check_chars(chars: int, limit: int, param: str) -> None:
@@ -210,9 +239,21 @@ def _check_chars(chars: int, limit: int, param: str) -> None:
         )  # fmt: skip
 
 
-def _model_name(model: str | Path) -> str:
-    """The default served name: a local directory's basename (a path is never shown to clients), else as given."""
-    return Path(model).resolve().name if os.path.exists(model) else str(model)
+def default_served_name(model: str | Path) -> str:
+    """The name clients send when ``--served-model-name`` is not given, never a local path: an alias as given (its
+    cached directory has the alias's name); a local directory's own name (a Hugging Face cache snapshot: the hub
+    id it holds); a hub id as given."""
+    text = str(model)
+    if text in ALIASES:
+        return text
+    path = Path(text).expanduser()
+    if not path.exists():
+        return text  # a hub id: resolving it downloads it into the cache
+    path = path.resolve()
+    repo = path.parent.parent.name  # <cache>/models--org--name/snapshots/<commit>
+    if path.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo.removeprefix("models--").replace("--", "/")
+    return path.name or "model"
 
 
 # One server-sent event: `data:` holds a JSON chunk, or [DONE] last.
@@ -263,13 +304,25 @@ def _check(req: BaseRequest, state: ServerState, max_model_len: int) -> None:
     req.check_supported()
 
 
-async def _respond(
-    state: ServerState, req: BaseRequest, rid: str, params: SamplingParams, request: Request, chat: bool
-) -> Any:
-    eng, model = state.engine, state.model_name
+@dataclass(slots=True)
+class _Reply:
+    """What one request's answer needs besides the engine's outputs."""
+
+    chat: bool
+    stops: list[str]
+    include_usage: bool
+    created: int  # unix seconds, stamped when the request arrived
+    logprobs: int | None = None  # completions: return log-probabilities, with this many most likely tokens
+    token_ids: bool = False  # logprobs name tokens "token_id:<id>" (vLLM's return_tokens_as_token_ids)
+    tokenizer: _Tokenizer | None = None  # decodes token strings for logprobs
+    echo: str | None = None  # completions with echo: the prompt's text, returned before the completion
+
+
+async def _respond(state: ServerState, req: BaseRequest, rid: str, reply: _Reply, request: Request) -> Any:
+    eng, model, chat = state.engine, state.model_name, reply.chat
     rid_out = new_id("chatcmpl" if chat else "cmpl")
     if req.stream:
-        events = _stream(eng, rid, rid_out, model, params.stop, req.include_usage, chat)
+        events = _stream(eng, rid, rid_out, model, reply)
         background = BackgroundTask(eng.cleanup, rid)  # runs even when the client left before the first event
         return StreamingResponse(events, media_type="text/event-stream", background=background)
     final: RequestOutput | None = None
@@ -283,42 +336,70 @@ async def _respond(
     reason = _reason(final)
     if chat:
         choice = ChatChoice(message=AssistantMessage(content=final.text), finish_reason=reason)
-        return ChatResponse(id=rid_out, model=model, choices=[choice], usage=usage)
-    return CompletionResponse(
-        id=rid_out, model=model, choices=[CompletionChoice(text=final.text, finish_reason=reason)], usage=usage
-    )
+        return ChatResponse(id=rid_out, created=reply.created, model=model, choices=[choice], usage=usage)
+    logprobs = None
+    if reply.logprobs is not None:
+        logprobs, _ = await _logprobs(reply, final, 0, 0, with_prompt=reply.echo is not None)
+    text = final.text if reply.echo is None else reply.echo + final.text
+    choice = CompletionChoice(text=text, logprobs=logprobs, finish_reason=reason)
+    return CompletionResponse(id=rid_out, created=reply.created, model=model, choices=[choice], usage=usage)
 
 
-async def _stream(
-    eng: AsyncEngine, rid: str, rid_out: str, model: str, stops: list[str], include_usage: bool, chat: bool
-) -> AsyncIterator[str]:
-    created = int(time.time())
-    hold = max((len(s) for s in stops), default=1) - 1  # a stop string's start may still be cut from the text
-    sent = 0
+async def _logprobs(
+    reply: _Reply, out: RequestOutput, first: int, offset: int, with_prompt: bool
+) -> tuple[CompletionLogprobs, int]:
+    """The ``logprobs`` of ``out``'s completion tokens from index ``first`` on, after the prompt's ``with_prompt``,
+    their text offsets starting at ``offset``; and the offset after them."""
+    assert reply.tokenizer is not None and reply.logprobs is not None
+    ids, scores = list(out.token_ids[first:]), list((out.logprobs or [])[first:])
+    if with_prompt:
+        prompt = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        ids, scores = [*out.prompt_token_ids, *ids], [*prompt, *scores]
+    tokenizer, k = reply.tokenizer, reply.logprobs
+    return await tokenizer.run_strings(reply.token_ids, completion_logprobs, ids, scores, k, offset)
+
+
+async def _stream(eng: AsyncEngine, rid: str, rid_out: str, model: str, reply: _Reply) -> AsyncIterator[str]:
+    chat, created = reply.chat, reply.created
+    hold = max((len(s) for s in reply.stops), default=1) - 1  # a stop string's start may still be cut from the text
+    sent = sent_tokens = offset = 0
     final: RequestOutput | None = None
     if chat:
         role = {"delta": {"role": "assistant", "content": ""}, "finish_reason": None}
         yield _event(chunk(rid_out, created, model, role, chat=True))
     try:
         async for out in eng.outputs(rid):
-            final = out
             if out.finish_reason is FinishReason.ERROR:
+                final = out
                 break
+            if final is None and reply.echo is not None:  # the prompt first, as its own chunk (scored with logprobs)
+                echo: dict[str, Any] = {"text": reply.echo, "finish_reason": None}
+                if reply.logprobs is not None:
+                    lp, offset = await _logprobs(reply, out, len(out.token_ids), 0, with_prompt=True)
+                    echo["logprobs"] = lp.model_dump()
+                yield _event(chunk(rid_out, created, model, echo))
+            final = out
             text = out.text
             end = len(text) if out.finished else len(text.rstrip("\ufffd")) - hold  # no half characters
             delta = text[sent:end] if end > sent else ""
             sent = max(sent, end)
             reason = _reason(out) if out.finished else None
-            if delta or reason:
+            scored = reply.logprobs is not None and len(out.token_ids) > sent_tokens
+            if delta or reason or scored:
                 content = {"delta": {"content": delta} if delta else {}} if chat else {"text": delta}
-                yield _event(chunk(rid_out, created, model, {**content, "finish_reason": reason}, chat=chat))
+                body: dict[str, Any] = {**content, "finish_reason": reason}
+                if scored:  # every new token with its score (the text may still hold some back)
+                    lp, offset = await _logprobs(reply, out, sent_tokens, offset, with_prompt=False)
+                    body["logprobs"] = lp.model_dump()
+                sent_tokens = len(out.token_ids)
+                yield _event(chunk(rid_out, created, model, body, chat=chat))
     except APIError as exc:
         yield _event(exc.body())
         yield "data: [DONE]\n\n"
         return
     if final is not None and final.finish_reason is FinishReason.ERROR:
         yield _event(APIError(500, final.error or "generation failed", "server_error").body())
-    elif final is not None and include_usage:
+    elif final is not None and reply.include_usage:
         yield _event(chunk(rid_out, created, model, None, _usage(final), chat=chat))
     yield "data: [DONE]\n\n"
 

@@ -21,8 +21,9 @@ from typing import Any
 from quantkit.errors import QuantkitError
 from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.sampling_params import SamplingParams
+from quantkit.runtime.sequence import FinishReason
 from quantkit.server.metrics import Metrics
-from quantkit.server.protocol import APIError
+from quantkit.server.protocol import APIError, scrub_paths
 
 _log = logging.getLogger(__name__)
 _IDLE_POLL_S = 0.05  # the idle engine thread wakes this often to notice stop()
@@ -39,18 +40,28 @@ class EngineStats:
     free_blocks: int = 0
     spec_acceptance: float = 0.0  # accepted / drafted tokens so far (speculative decoding)
     spec_tokens_per_step: float = 0.0  # tokens per target pass of a sequence with drafts
+    preemptions: int = 0  # sequences preempted so far
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, max_queue: int, metrics: Metrics | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        max_queue: int,
+        metrics: Metrics | None = None,
+        redact: Callable[[str], str] = scrub_paths,
+    ) -> None:
         engine.stream_text = True  # decode every step: streamed deltas
         self.engine = engine
+        self.redact = redact  # engine messages name the model's directory: hidden before a client sees them
         self.metrics = metrics or Metrics()
         self.max_in_flight = engine.config.max_num_seqs + max_queue
         self.num_in_flight = 0  # requests added and not yet cleaned up (event loop only)
         self.stats = EngineStats(free_blocks=engine.block_manager.num_free_blocks)
         self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        # request -> completion tokens counted in the metrics so far (-1: not even its prompt); cleaned up with it
+        self._counted: dict[str, int] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -99,6 +110,7 @@ class AsyncEngine:
             raise self._closed
         rid = uuid.uuid4().hex
         self._streams[rid] = asyncio.Queue()
+        self._counted[rid] = -1
         self.num_in_flight += 1
 
         def add(engine: Engine) -> None:
@@ -109,7 +121,7 @@ class AsyncEngine:
             await asyncio.wrap_future(self._submit(add))
         except QuantkitError as exc:
             self.cleanup(rid, finished=True)
-            raise bad_request(str(exc)) from None
+            raise bad_request(self.redact(str(exc))) from None
         except BaseException:
             self.cleanup(rid, finished=True)
             raise
@@ -143,6 +155,7 @@ class AsyncEngine:
 
     def cleanup(self, rid: str, finished: bool = False) -> None:
         """Release a request's slot (idempotent); an unfinished one is aborted, freeing its KV blocks."""
+        self._counted.pop(rid, None)
         if self._streams.pop(rid, None) is None:
             return
         self.num_in_flight -= 1
@@ -156,14 +169,33 @@ class AsyncEngine:
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
+            rid = out.request_id
+            if out.error is not None:
+                out.error = self.redact(out.error)
+            else:
+                self._count(out)
             if out.finished and out.error is None:
+                reason = "length" if out.finish_reason is FinishReason.LENGTH else "stop"
                 self.metrics.observe_finished(
-                    len(out.prompt_token_ids), len(out.token_ids), out.arrival_time, out.first_token_time,
-                    out.finish_time,
-                )  # fmt: skip
-            stream = self._streams.get(out.request_id)
+                    reason, len(out.token_ids), out.arrival_time, out.first_token_time, out.finish_time
+                )
+            stream = self._streams.get(rid)
             if stream is not None:
                 stream.put_nowait(out)
+
+    def _count(self, out: RequestOutput) -> None:
+        """Token counters: the prompt once its prefill is done (the first output), generated tokens as they come
+        (an output arriving after its request was cleaned up, aborted, is not counted)."""
+        counted = self._counted.get(out.request_id)
+        if counted is None:
+            return
+        prompt = len(out.prompt_token_ids) if counted < 0 else 0
+        counted = max(counted, 0)
+        self.metrics.count_tokens(prompt, max(0, len(out.token_ids) - counted))
+        if out.finished:
+            del self._counted[out.request_id]
+        else:
+            self._counted[out.request_id] = max(counted, len(out.token_ids))
 
     def _fail_all(self, exc: BaseException) -> None:
         for stream in self._streams.values():
@@ -184,7 +216,8 @@ class AsyncEngine:
                 _log.exception("engine step failed")
                 for rid in list(self._streams):
                     engine.abort(rid)
-                self._call_soon(self._fail_all, APIError(500, f"engine failure: {exc}", "server_error"))
+                error = APIError(500, self.redact(f"engine failure: {exc}"), "server_error")
+                self._call_soon(self._fail_all, error)
                 continue
             self._publish_stats()
             if outputs:
@@ -212,7 +245,7 @@ class AsyncEngine:
         sched, bm, spec = self.engine.scheduler, self.engine.block_manager, self.engine.spec_stats
         self.stats = EngineStats(
             sched.num_running, sched.num_waiting, bm.usage, bm.num_free_blocks, spec.acceptance_rate,
-            spec.tokens_per_step,
+            spec.tokens_per_step, self.engine.num_preemptions,
         )  # fmt: skip
 
     def _call_soon(self, fn: Callable[..., None], arg: Any) -> None:

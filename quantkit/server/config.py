@@ -12,7 +12,9 @@ from quantkit.runtime.config import EngineConfig
 class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port (in-process servers and tests)
-    served_model_name: str | None = None  # the `model` clients must send; None: MODEL's basename (never a path)
+    # The `model` clients must send (and see in /v1/models, responses and metrics); None: the alias, the model
+    # directory's own name or the hub id (never a local path; see quantkit.server.app.default_served_name).
+    served_model_name: str | None = None
     api_key: str | None = None  # bearer token required on every route but /health
     max_queue: int = 256  # requests allowed to wait beyond the running batch; more get 429
     max_num_seqs: int = EngineConfig.max_num_seqs
@@ -40,6 +42,10 @@ class ServeConfig:
             raise QuantkitError(f"body_timeout={self.body_timeout!r} is invalid; use seconds > 0")
         if not self.drain_timeout >= 0:
             raise QuantkitError(f"drain_timeout={self.drain_timeout!r} is invalid; use seconds >= 0")
+        if self.served_model_name is not None and not (
+            isinstance(self.served_model_name, str) and self.served_model_name.strip()
+        ):
+            raise QuantkitError(f"served_model_name={self.served_model_name!r} is invalid; pass a non-empty name")
         if self.api_key is not None and not self.api_key:
             raise QuantkitError("api_key is empty; pass a non-empty key or none")
         self.engine_config()  # engine options checked now, before any model is loaded

@@ -1,4 +1,10 @@
-"""A few Prometheus metrics in the text exposition format (no client library needed)."""
+"""Prometheus metrics in the text exposition format (no client library needed).
+
+A series that means what one of vLLM's means carries vLLM's name and its ``model_name`` label, so dashboards and
+alerts written for vLLM read this server unchanged (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:prompt_tokens_total``, ``vllm:time_to_first_token_seconds``, ...; names as in vLLM's
+``vllm/v1/metrics/loggers.py``). Series with no vLLM counterpart keep the ``quantkit_`` prefix.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from dataclasses import dataclass, field
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+# name -> (type, help, getter): series read when scraped (from the engine's latest stats)
+Sampled = dict[str, tuple[str, str, Callable[[], float]]]
 
 
 @dataclass(slots=True)
@@ -25,13 +34,15 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.sum += value
 
-    def lines(self, name: str) -> list[str]:
+    def lines(self, name: str, labels: str = "") -> list[str]:
         out, total = [], 0
+        prefix = f"{labels}," if labels else ""
         for bound, count in zip((*self.buckets, float("inf")), self.counts, strict=True):
             total += count
             le = "+Inf" if bound == float("inf") else repr(bound)
-            out.append(f'{name}_bucket{{le="{le}"}} {total}')
-        return [*out, f"{name}_sum {self.sum}", f"{name}_count {total}"]
+            out.append(f'{name}_bucket{{{prefix}le="{le}"}} {total}')
+        suffix = f"{{{labels}}}" if labels else ""
+        return [*out, f"{name}_sum{suffix} {self.sum}", f"{name}_count{suffix} {total}"]
 
 
 @dataclass(slots=True)
@@ -39,6 +50,7 @@ class Metrics:
     """Updated on the event loop only; gauges are read from the engine's latest stats when scraped."""
 
     requests: dict[tuple[str, int], int] = field(default_factory=dict)  # (route, status code) -> count
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests finished without error
     prompt_tokens: int = 0
     generation_tokens: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(_TTFT_BUCKETS))
@@ -48,11 +60,15 @@ class Metrics:
     def count_request(self, route: str, code: int) -> None:
         self.requests[route, code] = self.requests.get((route, code), 0) + 1
 
-    def observe_finished(
-        self, prompt_tokens: int, completion_tokens: int, arrival: float, first: float | None, finish: float | None
-    ) -> None:
+    def count_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        """Prompt tokens once a request's prefill is done; generated tokens as they come (aborted requests too)."""
         self.prompt_tokens += prompt_tokens
-        self.generation_tokens += completion_tokens
+        self.generation_tokens += generation_tokens
+
+    def observe_finished(
+        self, reason: str, completion_tokens: int, arrival: float, first: float | None, finish: float | None
+    ) -> None:
+        self.finished[reason] = self.finished.get(reason, 0) + 1
         if first is not None:
             self.ttft.observe(first - arrival)
             if finish is not None and completion_tokens > 1:
@@ -60,30 +76,41 @@ class Metrics:
         if finish is not None:
             self.e2e.observe(finish - arrival)
 
-    def render(self, gauges: dict[str, tuple[str, Callable[[], float]]]) -> str:
-        """``gauges``: name -> (help, getter)."""
-        lines = ["# HELP quantkit_requests_total HTTP requests by route and status code.", _type("requests_total")]
+    def render(self, model_name: str, sampled: Sampled) -> str:
+        """``sampled``: name -> (type, help, getter), read now; a ``vllm:`` name gets the ``model_name`` label."""
+        model = f'model_name="{_escape(model_name)}"'
+        name = "quantkit_requests_total"
+        lines = [f"# HELP {name} HTTP requests by route and status code.", _type(name)]
         for (route, code), n in sorted(self.requests.items()):
-            lines.append(f'quantkit_requests_total{{route="{route}",code="{code}"}} {n}')
+            lines.append(f'quantkit_requests_total{{route="{_escape(route)}",code="{code}"}} {n}')
         for name, help_, value in (
-            ("prompt_tokens_total", "Prompt tokens of finished requests.", self.prompt_tokens),
-            ("generation_tokens_total", "Generated tokens of finished requests.", self.generation_tokens),
+            ("vllm:prompt_tokens_total", "Prompt tokens of requests whose prefill is done.", self.prompt_tokens),
+            ("vllm:generation_tokens_total", "Generated tokens.", self.generation_tokens),
         ):
-            lines += [f"# HELP quantkit_{name} {help_}", _type(name), f"quantkit_{name} {value}"]
-        for name, (help_, get) in gauges.items():
-            lines += [f"# HELP {name} {help_}", f"# TYPE {name} gauge", f"{name} {get()}"]
+            lines += [f"# HELP {name} {help_}", _type(name), f"{name}{{{model}}} {value}"]
+        name = "vllm:request_success_total"
+        lines += [f"# HELP {name} Requests finished without error, by finish reason.", _type(name)]
+        for reason in sorted({"stop", "length", *self.finished}):
+            lines.append(f'{name}{{{model},finished_reason="{_escape(reason)}"}} {self.finished.get(reason, 0)}')
+        for name, (kind, help_, get) in sampled.items():
+            labels = f"{{{model}}}" if name.startswith("vllm:") else ""
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{labels} {get()}"]
         for name, help_, hist in (
-            ("time_to_first_token_seconds", "Arrival to first generated token.", self.ttft),
-            ("time_per_output_token_seconds", "Mean time between generated tokens, per request.", self.tpot),
-            ("e2e_request_latency_seconds", "Arrival to the last generated token.", self.e2e),
+            ("vllm:time_to_first_token_seconds", "Arrival to first generated token.", self.ttft),
+            ("vllm:request_time_per_output_token_seconds", "Mean time between tokens, per request.", self.tpot),
+            ("vllm:e2e_request_latency_seconds", "Arrival to the last generated token.", self.e2e),
         ):
-            lines += [f"# HELP quantkit_{name} {help_}", f"# TYPE quantkit_{name} histogram"]
-            lines += hist.lines(f"quantkit_{name}")
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name, model)]
         return "\n".join(lines) + "\n"
 
 
 def _type(name: str) -> str:
-    return f"# TYPE quantkit_{name} counter"
+    return f"# TYPE {name} counter"
+
+
+def _escape(value: str) -> str:
+    """A label value in the exposition format: backslash, double quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def resident_memory_bytes() -> float:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -54,6 +56,19 @@ def scrub_paths(message: str) -> str:
     return _PATH.sub("<path>", message)
 
 
+def path_redactor(paths: Iterable[str]) -> Callable[[str], str]:
+    """:func:`scrub_paths` that also hides the given local paths, relative ones included (the model's directory as
+    the server was started with it): engine messages name it. Names without a separator are left alone."""
+    local = (p.rstrip("/\\") for p in paths if ("/" in p or "\\" in p) and os.path.exists(p))
+    given = sorted({p for p in local if "/" in p or "\\" in p}, key=len)  # "/" itself is no name to hide
+    pattern = re.compile("|".join(rf"(?<![\w.~/-]){re.escape(p)}(?![\w-])" for p in reversed(given))) if given else None
+
+    def redact(message: str) -> str:
+        return scrub_paths(pattern.sub("<path>", message) if pattern is not None else message)
+
+    return redact
+
+
 def check_unicode(data: Any) -> None:
     """APIError 400 for a string anywhere in a decoded JSON body that is not valid Unicode: a lone UTF-16
     surrogate such as ``"\\ud800"`` decodes to a str that no tokenizer or UTF-8 encoder accepts."""
@@ -74,6 +89,8 @@ def check_unicode(data: Any) -> None:
         elif isinstance(value, list):
             todo += [(f"{where}.{i}", item) for i, item in enumerate(value)]
 
+
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default limit)
 
 # Strict scalars: JSON true is not an int or a float, "yes" is not a bool, "1" is not a number.
 StrictInt = Annotated[int, Field(strict=True)]
@@ -105,7 +122,6 @@ class BaseRequest(BaseModel):
     # Accepted when they ask for nothing the runtime would have to do:
     presence_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, description="only 0 is supported")] = 0.0
     frequency_penalty: Annotated[StrictFloat, Field(ge=-2, le=2, description="only 0 is supported")] = 0.0
-    logprobs: StrictBool | StrictInt | None = None
     user: str | None = None
 
     @model_validator(mode="before")
@@ -120,8 +136,6 @@ class BaseRequest(BaseModel):
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise APIError(400, f"{name} is not supported; use 0", param=name)
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """Raises APIError naming the parameter for an out-of-range value."""
@@ -134,10 +148,15 @@ class BaseRequest(BaseModel):
                 max_tokens=max_tokens,
                 stop=self.stop or [],
                 ignore_eos=self.ignore_eos,
+                **self.logprob_options(),
             )
         except QuantkitError as exc:
             param = str(exc).removeprefix("sampling parameter ").split("=", 1)[0]
             raise APIError(400, str(exc), param=param) from None
+
+    def logprob_options(self) -> dict[str, int | None]:
+        """``logprobs`` / ``prompt_logprobs`` for :class:`SamplingParams` (none by default)."""
+        return {}
 
     @property
     def include_usage(self) -> bool:
@@ -151,7 +170,25 @@ class CompletionRequest(BaseRequest):
         | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]
     ) = Field(description="one prompt: text or token ids (a list holding one prompt is accepted)")
-    echo: StrictBool = False
+    max_tokens: Annotated[StrictInt, Field(ge=0, description="0 (with echo): return the prompt, scored")] | None = None
+    logprobs: (
+        Annotated[
+            StrictInt,
+            Field(
+                ge=0, le=MAX_LOGPROBS,
+                description="Return log-probabilities of the tokens, and of this many most likely tokens at each "
+                f"position (0..{MAX_LOGPROBS}). Values are the model's raw distribution (log-softmax of its logits, "
+                "before temperature, top_k and top_p), as vLLM reports by default.",
+            ),
+        ]
+        | None
+    ) = None  # fmt: skip
+    echo: StrictBool = Field(
+        False, description="Return the prompt before the completion (with logprobs: the prompt's tokens scored too)"
+    )
+    return_tokens_as_token_ids: StrictBool = Field(
+        False, description='extension (as in vLLM): name tokens in logprobs "token_id:<id>", not by their text'
+    )
     best_of: StrictInt | None = None
     suffix: str | None = None
 
@@ -163,9 +200,17 @@ class CompletionRequest(BaseRequest):
             prompt = prompt[0]
         if not prompt:
             raise APIError(400, "the prompt is empty", param="prompt")
-        if self.echo or self.suffix or self.best_of not in (None, 1):
-            raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+        if self.suffix or self.best_of not in (None, 1):
+            raise APIError(400, "suffix and best_of are not supported", param="suffix" if self.suffix else "best_of")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens=0 returns nothing without echo; set echo: true to score the prompt",
+                           param="max_tokens")  # fmt: skip
         return prompt
+
+    def logprob_options(self) -> dict[str, int | None]:
+        # max_tokens 0 runs a prefill only, which the engine does for a request that scores its prompt
+        prompt = self.logprobs if self.logprobs is not None else 0 if self.max_tokens == 0 else None
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt if self.echo else None}
 
 
 class ContentPart(BaseModel):
@@ -190,6 +235,12 @@ class ChatMessage(BaseModel):
 class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool | StrictInt | None = Field(None, description="not supported here; use /v1/completions")
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported on chat completions; use /v1/completions", param="logprobs")
 
     def plain_messages(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.text()} for m in self.messages]
@@ -202,10 +253,22 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions ``logprobs``: one entry per token (the echoed prompt's, then the completion's).
+    ``top_logprobs[i]`` maps the token and the ``logprobs`` most likely tokens to their log-probabilities; the first
+    prompt token has none (null). ``text_offset[i]``: the summed length of the token strings before token ``i``
+    (as vLLM computes it), from the start of the returned text."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"] | None
 
 

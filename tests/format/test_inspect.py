@@ -79,6 +79,8 @@ def test_reference_dir_and_rendering(tmp_path: Path) -> None:
     assert math.isclose(data["compression_ratio"], 12345 / report.checkpoint_bytes)
     assert isinstance(report, CheckpointReport)
     pytest.importorskip("rich")
-    table, engines = render_report(report).renderables
+    table, groups, engines = render_report(report).renderables
     assert table.row_count == 1 and "bits/w" in [c.header for c in table.columns]
+    assert groups.row_count == 1
+    assert [c.header for c in groups.columns] == ["scheme", "layers", "params", "MB", "bits/w"]
     assert engines.row_count == len(report.loads_in) == 5

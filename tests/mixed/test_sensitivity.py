@@ -27,7 +27,8 @@ def calib(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def proxy(tiny_model_dir, calib, tmp_path_factory):
     out = tmp_path_factory.mktemp("m") / "measurement.json"
-    measure_sensitivity(tiny_model_dir, SensitivityConfig(calibration_file=calib, show_progress=False), out)
+    config = SensitivityConfig(calibration_file=calib, mode="proxy", show_progress=False)  # the fast option
+    measure_sensitivity(tiny_model_dir, config, out)
     return out
 
 

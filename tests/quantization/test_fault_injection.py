@@ -16,18 +16,24 @@ from quantkit.faults import POINTS
 
 pytestmark = pytest.mark.slow
 KILLED = 137
-# (point, pass): the tiny model has 2 blocks; each point is hit at its first and, per block, its last pass
+# (point, pass, variant): the tiny model has 2 blocks; each point is hit at its first and, per block, its last pass
 CASES = [
-    ("block-written", 1),
-    ("block-written", 2),
-    ("hidden-written", 1),
-    ("hidden-written", 2),
-    ("state-written", 1),
-    ("state-written", 2),
-    ("checkpoint-staged", 1),
-    ("checkpoint-written", 1),
-    ("work-dir-retired", 1),
+    ("block-written", 1, "plain"),
+    ("block-written", 2, "plain"),
+    ("hidden-written", 1, "plain"),
+    ("hidden-written", 2, "plain"),
+    ("state-written", 1, "plain"),
+    ("state-written", 2, "plain"),
+    ("checkpoint-staged", 1, "plain"),
+    ("checkpoint-written", 1, "plain"),
+    ("work-dir-retired", 1, "plain"),
+    ("outer-written", 1, "rotated-tuned"),
+    ("reference-written", 1, "rotated-tuned"),
+    ("reference-written", 2, "rotated-tuned"),
+    ("state-written", 2, "rotated-tuned"),
 ]
+# the options of each variant: a rotated, tuned run keeps two more kinds of state (outer tensors, float inputs)
+VARIANTS = {"plain": (), "rotated-tuned": ("--rotate", "hadamard", "--tune-steps", "3")}
 FILES = ("model.safetensors", "config.json", "quantkit_log.json", "tokenizer.json")
 
 
@@ -44,11 +50,24 @@ def _quantize(
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir, calib_file, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "out"
-    done = _quantize(tiny_model_dir, calib_file, out)
-    assert done.returncode == 0, done.stderr
-    return out
+def references(tiny_model_dir, calib_file, tmp_path_factory) -> dict[str, Path]:
+    """Each variant's uninterrupted output, made on first use."""
+    made: dict[str, Path] = {}
+
+    def get(variant: str) -> Path:
+        if variant not in made:
+            out = tmp_path_factory.mktemp(f"reference-{variant}") / "out"
+            done = _quantize(tiny_model_dir, calib_file, out, *VARIANTS[variant])
+            assert done.returncode == 0, done.stderr
+            made[variant] = out
+        return made[variant]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(references) -> Path:
+    return references("plain")
 
 
 @pytest.fixture(scope="module")
@@ -57,17 +76,18 @@ def calib_file(tiny_calib_file) -> Path:
 
 
 def test_every_commit_point_is_covered():
-    assert {point for point, _ in CASES} == set(POINTS)
+    assert {point for point, _, _ in CASES} == set(POINTS)
 
 
-@pytest.mark.parametrize(("point", "nth"), CASES, ids=[f"{p}@{n}" for p, n in CASES])
+@pytest.mark.parametrize(("point", "nth", "variant"), CASES, ids=[f"{p}@{n}-{v}" for p, n, v in CASES])
 def test_a_kill_at_a_commit_point_resumes_to_the_same_bytes(
-    tiny_model_dir, calib_file, reference, tmp_path, point, nth
+    tiny_model_dir, calib_file, references, tmp_path, point, nth, variant
 ):
     out = tmp_path / "out"
-    killed = _quantize(tiny_model_dir, calib_file, out, fault=f"{point}@{nth}")
+    reference = references(variant)
+    killed = _quantize(tiny_model_dir, calib_file, out, *VARIANTS[variant], fault=f"{point}@{nth}")
     assert killed.returncode == KILLED, killed.stderr
-    resumed = _quantize(tiny_model_dir, calib_file, out, "--resume")
+    resumed = _quantize(tiny_model_dir, calib_file, out, *VARIANTS[variant], "--resume")
     assert resumed.returncode == 0, resumed.stderr
     for name in FILES:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name

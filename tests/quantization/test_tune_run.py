@@ -4,6 +4,7 @@ same bytes, rotation and tuning combine, and bad values are refused before any w
 import json
 
 import pytest
+import torch
 from cli_runner import run_cli
 
 from quantkit.errors import QuantkitError
@@ -71,3 +72,36 @@ def test_cli_refuses_negative_tuning_steps(tiny_model_dir, tiny_calib_file, tmp_
     code, _, err = run_cli(args, capsys)
     assert code == 2 and "--tune-steps must be >= 0" in " ".join(err.split())
     assert not out.exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_tuning_targets_are_the_float_models_own_activations(tiny_model_dir, tiny_calib_file, tmp_path, monkeypatch):
+    """Each block is tuned towards the float model's output (AutoRound's targets), not the float block's output on
+    the quantized model's input, so later blocks make up for earlier blocks' error."""
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.data.calibration import CalibrationSet
+    from quantkit.quantization import quantize_block as module
+
+    seen: list[tuple] = []
+    real = module.tune_block
+
+    def spy(block, runner, inputs, targets, *args, **kwargs):
+        seen.append((inputs.clone(), targets.clone()))
+        return real(block, runner, inputs, targets, *args, **kwargs)
+
+    monkeypatch.setattr(module, "tune_block", spy)
+    quantize_model(str(tiny_model_dir), _config(tiny_calib_file), tmp_path / "tuned")
+    input_ids = CalibrationSet.load(tiny_calib_file).input_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    outputs = {}  # each block's output in the float model (hidden_states[-1] has the final norm applied)
+    for index, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda _m, _i, out, index=index: outputs.setdefault(index + 1, out))
+    with torch.inference_mode():
+        states = model(input_ids, output_hidden_states=True).hidden_states
+    (inputs0, _), (inputs1, targets1) = seen
+    storage = inputs0.dtype
+    assert torch.equal(inputs0, states[0].to(storage))  # block 0 reads the embeddings
+    block1 = outputs[2][0] if isinstance(outputs[2], tuple) else outputs[2]
+    torch.testing.assert_close(targets1.float(), block1.float(), atol=1e-5, rtol=1e-5)  # the float path (measured: 0)
+    # block 1 reads the quantized model's activations (on them the float block is off by ~1e-2)
+    assert (inputs1.float() - states[1].float()).abs().max() > 1e-3  # ... which differ from the float ones

@@ -19,7 +19,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+from quantkit.extras import install_command
+
+pytest.importorskip("triton", reason=f"the Triton kernels need triton, the 'gpu' extra: {install_command('gpu')}")
 
 from quantkit.runtime.kernels.kv_cache_write import kv_cache_write
 from quantkit.runtime.kernels.paged_attention import paged_attention, paged_attention_reference

@@ -9,6 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.extras import install_command
+
+pytest.importorskip("triton", reason=f"the Triton kernels need triton, the 'gpu' extra: {install_command('gpu')}")
+
 from quantkit.runtime.kernels.paged_attention import paged_attention, paged_attention_reference, paged_attention_torch
 
 TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}

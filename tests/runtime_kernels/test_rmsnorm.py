@@ -11,6 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.extras import install_command
+
+pytest.importorskip("triton", reason=f"the Triton kernels need triton, the 'gpu' extra: {install_command('gpu')}")
+
 from quantkit.runtime.kernels.backend import triton_available
 from quantkit.runtime.kernels.rmsnorm import rmsnorm, rmsnorm_reference
 

@@ -92,17 +92,23 @@ def test_health_models_and_metrics(client):
     text = client.get("/metrics").text
     for series in (
         'quantkit_requests_total{route="/v1/completions",code="200"}',
-        "quantkit_prompt_tokens_total",
-        "quantkit_generation_tokens_total",
-        "quantkit_num_requests_running",
-        "quantkit_num_requests_waiting",
-        "quantkit_kv_cache_usage_ratio",
-        'quantkit_time_to_first_token_seconds_bucket{le="+Inf"}',
-        "quantkit_time_per_output_token_seconds_count",
+        f'vllm:prompt_tokens_total{{model_name="{MODEL}"}}',
+        f'vllm:generation_tokens_total{{model_name="{MODEL}"}}',
+        f'vllm:num_requests_running{{model_name="{MODEL}"}}',
+        f'vllm:num_requests_waiting{{model_name="{MODEL}"}}',
+        f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}',
+        f'vllm:num_preemptions_total{{model_name="{MODEL}"}}',
+        f'vllm:request_success_total{{model_name="{MODEL}",finished_reason="length"}}',
+        f'vllm:time_to_first_token_seconds_bucket{{model_name="{MODEL}",le="+Inf"}}',
+        f'vllm:request_time_per_output_token_seconds_count{{model_name="{MODEL}"}}',
+        f'vllm:e2e_request_latency_seconds_sum{{model_name="{MODEL}"}}',
+        "quantkit_num_requests_in_flight",
+        "quantkit_kv_cache_free_blocks",
         "process_resident_memory_bytes",
     ):
         assert series in text, series
-    assert re.search(r"^quantkit_generation_tokens_total [1-9]", text, re.M)
+    assert re.search(r"^vllm:generation_tokens_total\{[^}]*\} [1-9]", text, re.M)
+    assert re.search(r"^vllm:prompt_tokens_total\{[^}]*\} [1-9]", text, re.M)
 
 
 def test_openai_client_completions_and_chat(srv):
@@ -241,7 +247,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(srv, client):
         assert srv.state.engine.engine.has_unfinished()
     assert _wait(lambda: _idle(srv)), "the aborted request kept its sequence or blocks"
     metrics = client.get("/metrics").text
-    assert "quantkit_num_requests_running 0" in metrics and "quantkit_num_requests_in_flight 0" in metrics
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0' in metrics
+    assert "quantkit_num_requests_in_flight 0" in metrics
 
 
 @pytest.mark.slow
@@ -424,7 +431,10 @@ def test_openapi_documents_400_and_value_ranges(client):
     assert fields["temperature"]["minimum"] == 0
     assert fields["top_p"]["exclusiveMinimum"] == 0 and fields["top_p"]["maximum"] == 1
     assert fields["top_k"]["minimum"] == -1
-    assert any(t.get("minimum") == 1 and t.get("maximum") == 2048 for t in fields["max_tokens"]["anyOf"])
+    # completions: 0 with echo scores the prompt only; chat: at least 1
+    assert any(t.get("minimum") == 0 and t.get("maximum") == 2048 for t in fields["max_tokens"]["anyOf"])
+    chat_max = doc["components"]["schemas"]["ChatRequest"]["properties"]["max_tokens"]["anyOf"]
+    assert any(t.get("minimum") == 1 and t.get("maximum") == 2048 for t in chat_max)
     assert fields["model"]["enum"] == [MODEL]
     assert "HTTPValidationError" not in doc["components"]["schemas"]
     ok = doc["paths"]["/v1/completions"]["post"]["responses"]["200"]["content"]

@@ -11,9 +11,10 @@ so ``V`` must pass +-0.5 to move a code: with ``|V| <= 1`` a code can reach eith
 codes lie within one step of the float weight), never two steps away. The codes are not re-rounded when ``M``
 moves, so ``M`` rescales a whole group's dequantized values.
 
-The loss is the mean squared error of the block's output (the float block's output on the same inputs is the
-target), on ``batch_windows`` calibration windows per step drawn with a seeded generator, optimised by Adam
-(default) or signed gradient descent with learning rates decaying linearly to 0 (AutoRound's schedule). Each
+The loss is the mean squared error of the block's output against the caller's targets (the pipeline passes the
+float model's own output at this block, so a block also makes up for the error of earlier ones, as AutoRound),
+on ``batch_windows`` calibration windows per step drawn with a seeded generator, optimised by Adam (default)
+or signed gradient descent with learning rates decaying linearly to 0 (AutoRound's schedule). Each
 step's loss is divided by the starting weights' loss on the same windows, so steps on different windows
 compare, and the parameters of the best step are kept. At the end the returned weights (integer codes, scales
 rounded to the storage dtype: exactly what the checkpoint stores) are scored on all windows and returned only

@@ -12,18 +12,20 @@ def interpreter_enabled() -> bool:
 
 
 def triton_available() -> bool:
-    """True when triton imports and there is a CUDA device, or the interpreter is enabled.
+    """True when there is a CUDA device (or the interpreter is enabled) and triton imports; triton is imported
+    only then (it is the optional ``gpu`` extra: without it the runtime runs its torch backend).
 
     Note: ``TRITON_INTERPRET`` must be set before triton is first imported for the interpreter to take effect.
     """
-    if importlib.util.find_spec("triton") is None:
-        return False
+    if not interpreter_enabled():
+        import torch
+
+        if not torch.cuda.is_available():
+            return False
     try:
+        if importlib.util.find_spec("triton") is None:
+            return False
         import triton  # noqa: F401
     except Exception:  # a broken install (missing libs, ABI mismatch) means "not available"
         return False
-    if interpreter_enabled():
-        return True
-    import torch
-
-    return bool(torch.cuda.is_available())
+    return True

@@ -56,7 +56,8 @@ def test_cli_default_group_size_is_refused_before_any_work(tiny_model_dir, tmp_p
 
 
 @pytest.mark.slow
-def test_cli_fallback_is_recorded_and_inspected(tiny_model_dir, tmp_path, capsys):
+def test_cli_fallback_is_recorded_and_inspected(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # the layer table's cells unwrapped
     out = tmp_path / "out"
     code, err = _quantize(tiny_model_dir, out, capsys, "--group-size", "64", "--layout-policy", "fallback")
     assert code == 0, err

@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
 # the root (for __version__) and what imports nothing (extras: which optional extra provides which module)
-FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "extras"}
+FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "memory", "extras"}
 
 # area -> the areas it may import, besides itself and the foundation
 ALLOWED: dict[str, set[str]] = {
@@ -20,6 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "progress": set(),
     "atomic": set(),
     "faults": set(),
+    "memory": set(),
     "extras": set(),
     "schemas": set(),
     "format": set(),

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from quantkit.memory import release_freed_memory
 from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import embed, get_module
 from quantkit.model.source_weights import SourceWeights, load_module, release_module
 from quantkit.progress import progress_bar
-from quantkit.quantization.memory import release_freed_memory
 from quantkit.quantization.staged_block import StagedBlock
 from quantkit.quantization.statistics import HessianStat
 

@@ -21,6 +21,7 @@ from quantkit.data.model_calibration import calibration_for_model
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
+from quantkit.memory import peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.progress import Interrupted
@@ -31,7 +32,6 @@ from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.disk_space import check_free_space
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
-from quantkit.quantization.memory import peak_rss_mb, release_freed_memory
 from quantkit.quantization.methods import SolverConfig
 from quantkit.quantization.quantize_block import quantize_block
 from quantkit.quantization.records import LayerRecord, record_from_dict

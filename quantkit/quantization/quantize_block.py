@@ -9,11 +9,11 @@ import torch
 from torch import nn
 
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.memory import release_freed_memory
 from quantkit.model.blocks import get_module
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_pass import BlockPass, BlockSchemes
 from quantkit.quantization.dispatch import split_solvers, weight_solver
-from quantkit.quantization.memory import release_freed_memory
 from quantkit.quantization.records import RunRecord, TuneRecord
 from quantkit.quantization.solvers.tune import tune_block
 from quantkit.quantization.staged_block import StagedBlock

@@ -72,7 +72,7 @@ BASELINE = """
 import torch, transformers
 from transformers.models.llama import modeling_llama
 import quantkit.quantization.pipeline, quantkit.data.calibration
-from quantkit.quantization.memory import peak_rss_mb
+from quantkit.memory import peak_rss_mb
 print(peak_rss_mb())
 """
 
@@ -116,7 +116,7 @@ def test_quantizing_needs_far_less_memory_than_the_model(tmp_path):
 def test_peak_rss_of_a_subprocess_is_its_own_not_its_parents():
     """ru_maxrss of a forked + exec'd child starts at the parent's peak; the reported peak must not."""
     ballast = torch.ones(400 * 2**20 // 4)  # 400 MB touched in this (parent) process
-    code = "from quantkit.quantization.memory import peak_rss_mb; print(peak_rss_mb())"
+    code = "from quantkit.memory import peak_rss_mb; print(peak_rss_mb())"
     child_mb = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
-    assert 5 < child_mb < 200, child_mb  # the interpreter and quantkit.quantization.memory, not the 400 MB ballast
+    assert 5 < child_mb < 200, child_mb  # the interpreter and quantkit.memory, not the 400 MB ballast
     assert float(ballast[-1]) == 1.0

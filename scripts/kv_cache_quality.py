@@ -17,8 +17,15 @@ cache the mean and 99th-percentile KL(auto || quantized) and top-1 (greedy) agre
 KL over the positions computed after a window's first step (the first prefill or chunk), whose context is read
 back from the cache. Printed as a table; ``--json OUT`` writes the numbers.
 
+``--workload free|copy|mixed`` scores the seeded ``quantkit bench`` workload instead of text windows: the "auto"
+engine answers each request greedily; every engine is then teacher-forced on prompt + that answer (prefill of the
+prompt, the answer token by token through the decode path), and the metrics cover the answer's positions, i.e.
+the greedy token agreement over the bench workload. "identical" counts the requests each 8-bit cache answers
+free-running with exactly the reference's tokens (one early near-tie changes the rest of an answer).
+
     python scripts/kv_cache_quality.py                          # SmolLM2-135M, 20 windows of 256, int8 and fp8
     python scripts/kv_cache_quality.py --model ./my-w4-ckpt --mode chunks --chunk 16 --json kv.json
+    python scripts/kv_cache_quality.py --workload free --requests 32 --formats int8    # the bench workload
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout without installing
 
+from quantkit.bench.workload import KINDS, make_workload  # noqa: E402
 from quantkit.data.sources import DEFAULT_EVALUATION, load_documents  # noqa: E402
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents  # noqa: E402
 from quantkit.eval.evaluate import Window, make_windows  # noqa: E402
@@ -49,6 +57,21 @@ def build_windows(tokenizer, dataset: str | None, seq_len: int, count: int) -> l
     stream = join_documents(encode_documents(tokenizer, docs.texts, show_progress=False), tokenizer.eos_token_id)
     prefix = bos_prefix(tokenizer)
     return make_windows(stream, seq_len, seq_len - len(prefix), prefix, count)
+
+
+def workload_answers(engine: Engine, kind: str, requests: int) -> list[tuple[list[int], int, list[int]]]:
+    """(prompt, max_tokens, greedy answer of ``engine``) for each request of the seeded bench workload."""
+    workload = make_workload(engine.tokenizer, requests, kind, 0, engine.max_model_len)
+    return [(r.prompt, r.max_tokens, greedy(engine, r.prompt, r.max_tokens)) for r in workload]
+
+
+def greedy(engine: Engine, prompt: list[int], max_tokens: int) -> list[int]:
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens = out.token_ids
+    return tokens
 
 
 def make_engine(model: str, kv_cache_dtype: str, args: argparse.Namespace) -> Engine:
@@ -105,7 +128,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m", help="alias, HF directory or quantized checkpoint")
     parser.add_argument("--dataset", default=None, help="held-out text (default: the shipped eval text)")
     parser.add_argument("--windows", type=int, default=20)
-    parser.add_argument("--seq-len", type=int, default=256, help="window length in tokens")
+    parser.add_argument("--seq-len", type=int, default=256, help="window length in tokens (workload: max length)")
+    parser.add_argument("--workload", choices=KINDS, default=None, help="score the bench workload, not windows")
+    parser.add_argument("--requests", type=int, default=32, help="workload: requests")
     parser.add_argument("--formats", nargs="+", default=["int8", "fp8"], choices=["int8", "fp8"])
     parser.add_argument("--mode", choices=["decode", "chunks"], default="decode")
     parser.add_argument("--prefill-frac", type=float, default=0.5, help="decode mode: share of a window prefilled")
@@ -131,16 +156,18 @@ def main() -> None:
     reference = engines["auto"]
     if reference.tokenizer is None:
         raise SystemExit(f"{args.model} has no tokenizer: cannot cut text windows")
-    windows = build_windows(reference.tokenizer, args.dataset, args.seq_len, args.windows)
+    if args.workload:  # (ids, prefill length, first scored row): the reference's answers to the bench prompts
+        answers = workload_answers(reference, args.workload, args.requests)
+        items = [(p + a, len(p), len(p) - 1) for p, _, a in answers if a]
+    else:
+        windows = build_windows(reference.tokenizer, args.dataset, args.seq_len, args.windows)
+        items = [(w.input_ids, max(1, int(len(w.input_ids) * args.prefill_frac)), w.first_scored - 1) for w in windows]
     metrics = {name: RunningMetrics() for name in engines}
     later_kl: dict[str, list[torch.Tensor]] = {name: [] for name in args.formats}
     with progress_bar() as bar:
-        task = bar.add_task("Windows", total=len(windows))
-        for window in windows:
-            ids = window.input_ids
-            prefill_len = max(1, int(len(ids) * args.prefill_frac))
+        task = bar.add_task("Requests" if args.workload else "Windows", total=len(items))
+        for ids, prefill_len, first_scored in items:
             targets = torch.tensor(ids[1:])
-            first_scored = window.first_scored - 1  # row index of the first scored prediction
             ref_logits, first = teacher_forced_logits(reference, ids, args.mode, prefill_len)
             metrics["auto"].add_nll(token_nll(ref_logits[first_scored:], targets[first_scored:]))
             for name in args.formats:
@@ -150,10 +177,15 @@ def main() -> None:
                 later_kl[name].append(token_kl(ref_logits[first:], logits[first:]).float())
             bar.advance(task)
 
+    identical = {}
+    if args.workload:  # free-running: the same answers, token for token?
+        for name in args.formats:
+            identical[name] = sum(greedy(engines[name], p, n) == a for p, n, a in answers)
     results = {
         "model": args.model,
         "dataset": args.dataset or f"shipped:{DEFAULT_EVALUATION.name}",
-        "windows": len(windows),
+        "workload": args.workload,
+        "windows": len(items),
         "seq_len": args.seq_len,
         "mode": args.mode,
         "prefill_frac": args.prefill_frac if args.mode == "decode" else None,
@@ -163,7 +195,8 @@ def main() -> None:
         "caches": {},
         "seconds": 0.0,
     }
-    table = Table(title=f"KV cache quality: {args.model}, {len(windows)} x {args.seq_len} tokens, {args.mode}")
+    what = f"{len(items)} {args.workload} bench requests" if args.workload else f"{len(items)} x {args.seq_len} tokens"
+    table = Table(title=f"KV cache quality: {args.model}, {what}, {args.mode}")
     for col in ("KV cache", "bytes/token", "ppl", "KL mean", "KL p99", "top-1", "KL later"):
         table.add_column(col, justify="left" if col == "KV cache" else "right")
     for name, engine in engines.items():
@@ -177,6 +210,8 @@ def main() -> None:
             kl_mean, kl_p99, top1 = m.kl_summary()
             row |= {"kl_mean": kl_mean, "kl_p99": kl_p99, "top1_agreement": top1}
             row["kl_mean_later_steps"] = float(torch.cat(later_kl[name]).double().mean())
+            if args.workload:
+                row["identical_requests"] = identical[name]
         results["caches"][name] = row
         table.add_row(
             name,
@@ -190,6 +225,8 @@ def main() -> None:
         )
     results["seconds"] = round(time.perf_counter() - start, 1)
     console.print(table)
+    for name, same in identical.items():
+        console.print(f"{name}: {same}/{len(answers)} requests answered free-running with identical tokens")
     console.print(f"{results['seconds']} s on {results['device']} ({results['dtype']} compute)")
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2, default=lambda x: None if math.isnan(x) else x))

@@ -12,7 +12,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
 # the root (for __version__) and what imports nothing (extras: which optional extra provides which module)
-FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "memory", "extras"}
+FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "memory", "extras", "device"}
 
 # area -> the areas it may import, besides itself and the foundation
 ALLOWED: dict[str, set[str]] = {
@@ -21,6 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     "atomic": set(),
     "faults": set(),
     "memory": set(),
+    "device": set(),  # the --device rule: imports torch and errors only
     "extras": set(),
     "schemas": set(),
     "format": set(),
@@ -45,7 +46,7 @@ ALLOWED: dict[str, set[str]] = {
         "server",
     },
     "export": {"format", "model"},  # converts stored integer codes: no solver, no requantizing
-    "runtime": {"format", "model"},
+    "runtime": {"format", "model", "rotation"},  # rotation: the fixed rotation of 8-bit keys
     "server": {"runtime", "format", "model"},
     "bench": {"runtime", "format", "model", "data"},  # drives the engine on shipped text; HF baseline via format
 }

@@ -13,9 +13,10 @@ so grouped-query attention needs no K/V repeat). The Triton backend uses the ``k
 
 8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): with ``k_scale``/``v_scale`` (float16 ``[num_blocks,
 block_size, Hkv]``) the caches hold int8 / float8_e4m3fn values; every write quantizes (per token and kv head)
-and every read dequantizes. Prefill then always reads K/V back from the pages, the fresh rows included, so a
-token sees the same (quantized) keys and values whether its context was computed in one prefill, in chunks, from
-the prefix cache or by decoding. Without scales every path is exactly the unquantized one.
+and every read dequantizes; keys are stored in a rotated basis, so queries are rotated the same way.
+Prefill then always reads K/V back from the pages, the fresh rows included, so a token sees the same (quantized)
+keys and values whether its context was computed in one prefill, in chunks, from the prefix cache or by
+decoding. Without scales every path is exactly the unquantized one.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels.backend import triton_available
-from quantkit.runtime.kv_cache import gather_pages, write_rows
+from quantkit.runtime.kv_cache import gather_pages, kv_rotation, rotate, write_rows
 
 
 @dataclass(slots=True)
@@ -96,6 +97,9 @@ class AttentionBackend(ABC):
             if meta.is_prefill:
                 return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
             return self.decode(q, k_cache, v_cache, meta, scale)
+        # 8-bit cache: keys are stored rotated (kv_cache's docstring), so attend with rotated queries
+        rotation = kv_rotation(q.shape[-1], q.device)
+        q, k = rotate(q, rotation), rotate(k, rotation)
         self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
         if meta.is_prefill:
             return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)

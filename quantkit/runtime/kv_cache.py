@@ -20,15 +20,26 @@ round-trip error is at most ``scale / 2`` per element, fp8 error is e4m3's round
 relative; rows smaller than 127 * 2^-14 (0.0078) then quantize with absolute error <= 2^-15. The Triton
 ``kv_cache_write`` kernel does the same float32 arithmetic in-kernel.
 
-Reads dequantize ``q.float() * scale.float()`` and cast to the compute dtype: the torch decode and prefill
-paths after gathering pages, the Triton ``paged_attention`` kernel in registers.
+Reads dequantize ``q * scale`` in float32 and cast to the compute dtype: the torch decode and prefill paths
+after gathering pages, the Triton ``paged_attention`` kernel in registers.
+
+Rotated keys: the attention backend stores ``k @ R`` and attends with ``q @ R``, for one fixed orthogonal
+``R [head_dim, head_dim]``, a randomized Hadamard matrix (:func:`kv_rotation`); scores are unchanged in exact
+arithmetic (``(qR)(kR)^T = qk^T``). Real models' keys carry a few outlier channels that set each row's absmax,
+so a per-row scale leaves the other channels few levels; the rotation spreads every channel over all of them.
+On SmolLM2-135M (6 windows of 256) it cut the int8 cache's KL against the float cache from 7.1e-4 to 2.6e-4;
+rotating the values as well gave no further gain (2.3e-4) for two more matmuls a layer, so values are stored
+as they are. The kernels need no change: they store and read whatever rows they are given.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.rotation.hadamard import random_rotation
 
 SCALE_DTYPE = torch.float16
 # storage dtype and the largest magnitude it holds, per 8-bit kv_cache_dtype
@@ -39,6 +50,7 @@ QUANT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
 _MIN_SCALE = 2.0**-14  # smallest normal float16: keeps the scale's float16 rounding relative
 _MAX_SCALE = 60000.0  # below float16's max once multiplied by _SCALE_ROUND_UP
 _SCALE_ROUND_UP = 1.0 + 2.0**-10  # >= one float16 ulp (relative) above: the rounded scale is never below absmax/qmax
+KV_ROTATION_SEED = 0  # any fixed seed: every write and read of a cache only needs the same rotation
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -89,7 +101,22 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``values [..., D]`` (8-bit) times ``scales [...]`` -> ``dtype`` (multiplied in float32)."""
-    return (values.float() * scales.float().unsqueeze(-1)).to(dtype)
+    out = values.float()
+    # in place: a second context-sized float32 tensor (fresh pages to fault in) cost 1.6x the whole decode step
+    return out.mul_(scales.float().unsqueeze(-1)).to(dtype)
+
+
+@functools.cache
+def kv_rotation(head_dim: int, device: torch.device) -> torch.Tensor:
+    """The float32 orthogonal ``[head_dim, head_dim]`` rotation of 8-bit key rows (see the module docstring)."""
+    return random_rotation(head_dim, KV_ROTATION_SEED).to(device=device, dtype=torch.float32)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """``x [..., D] @ rotation`` computed in float32, returned in ``x``'s dtype."""
+    if x.dtype == torch.float32:
+        return x @ rotation
+    return (x.float() @ rotation).to(x.dtype)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -195,7 +195,9 @@ def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[s
     quant_key = content_key(checkpoint=run.hashes["checkpoint files"], reference=ref_id, **params)
     quantized = _cached_eval(run, "evaluate", quant_key, str(output), config)
     base_key = content_key(model=ref_id, reference=None, **params)
-    baseline = _cached_eval(run, "baseline", base_key, reference, replace(config, reference=None))
+    baseline = _cached_eval(
+        run, "baseline", base_key, reference, replace(config, reference=None), _baseline_from(quantized, reference)
+    )
     run.hashes["evaluation text"] = dataset_hash[:20]
     run.hashes["reference"] = ref_id
     increase = (quantized["perplexity"] / baseline["perplexity"] - 1) * 100
@@ -214,7 +216,22 @@ def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[s
     return quantized, baseline
 
 
-def _cached_eval(run: RecipeRun, name: str, key: str, model: str, config: Any) -> dict[str, Any]:
+def _baseline_from(quantized: dict[str, Any], reference: str) -> dict[str, Any] | None:
+    """The reference's own evaluation, when the checkpoint's evaluation already ran it over the same tokens."""
+    if quantized.get("reference_perplexity") is None:
+        return None
+    compared = ("kl_mean", "kl_p99", "top1_agreement", "reference_perplexity", "perplexity_change_pct")
+    return (
+        quantized
+        | {"model": reference, "reference": None, "perplexity": quantized["reference_perplexity"]}
+        | {key: None for key in compared}
+    )
+
+
+def _cached_eval(
+    run: RecipeRun, name: str, key: str, model: str, config: Any, derived: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """An evaluation from the run's cache, else ``derived`` (figures another stage already measured), else run."""
     from quantkit.eval.evaluate import evaluate
 
     with run.stage(name) as st:
@@ -224,7 +241,7 @@ def _cached_eval(run: RecipeRun, name: str, key: str, model: str, config: Any) -
         if st.cached:
             result = json.loads(path.read_text())
         else:
-            result = evaluate(model, config).to_dict()
+            result = derived if derived is not None else evaluate(model, config).to_dict()
             write_json(path, result)
         st.detail = f"ppl {result['perplexity']:.3f} over {result['windows']} windows"
     return result

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.errors import QuantkitError
+from quantkit.eval.evaluate import DEFAULT_EVAL_WINDOWS
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.solvers.gptq import GPTQConfig
 
@@ -53,7 +54,7 @@ output:
 
 evaluation:
   dataset: null                # null: held-out Persuasion text
-  windows: 40                  # null: every window
+  windows: @eval_windows@      # null: every window
   seq_len: 512
   reference: null              # null: the recipe's model (baseline perplexity, KL, top-1)
 
@@ -74,6 +75,7 @@ _DEFAULTS = {  # written in the configs that use them
     "seq_len": CalibrationConfig.seq_len,
     "group_size": QuantScheme.group_size,
     "damp": GPTQConfig.damp,
+    "eval_windows": DEFAULT_EVAL_WINDOWS,
 }
 # "@name@" and the spaces after it take the default, left-aligned in the same width (the comments stay aligned)
 STARTER = re.sub(r"@(\w+)@ *", lambda m: f"{_DEFAULTS[m.group(1)]}".ljust(len(m.group(0))), _TEMPLATE)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from cli_runner import run_cli
 
+from quantkit.eval.evaluate import EvalConfig, evaluate
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -73,6 +75,11 @@ def test_passing_gates_exit_0_with_a_full_report(tiny_model_dir, text_corpus, tm
     assert [s["name"] for s in report["stages"]] == ["model", "calibrate", "quantize", "evaluate", "baseline"]
     assert {"python", "torch", "transformers", "quantkit", "platform"} <= set(report["environment"])
     assert {"model", "calibration", "checkpoint files", "evaluation text"} <= set(report["hashes"])
+    # the baseline is the reference's perplexity from the checkpoint's evaluation: no second pass, same figure
+    alone = evaluate(str(tiny_model_dir), EvalConfig(dataset=str(text_corpus), seq_len=32, max_windows=4))
+    assert report["figures"]["baseline perplexity"] == pytest.approx(alone.perplexity, rel=1e-4)
+    baseline = next(s for s in report["stages"] if s["name"] == "baseline")
+    assert baseline["seconds"] < 0.5 * next(s for s in report["stages"] if s["name"] == "evaluate")["seconds"]
 
 
 @pytest.mark.slow

@@ -169,6 +169,10 @@ def main() -> None:
                     "top1": e.top1_agreement,
                 }
             )
+            r = rows[-1]  # each row as it lands, so a stopped run keeps the finished ones
+            console.print(f"  ppl {r['perplexity']:.3f}, KL {r['kl_mean']:.4f}, {r['seconds']:.0f} s")
+            if args.json:
+                args.json.write_text(json.dumps({"baseline_perplexity": base.perplexity, "rows": rows}, indent=2))
     rtn = {r["storage"]: r["perplexity"] for r in rows if r["method"] == "rtn" and r["scheme"] == r["storage"]}
     table = Table(
         title=f"Quantization on {args.model}: {args.samples} x {args.seq_len} calibration windows, "

@@ -19,19 +19,43 @@ import sys
 
 
 @functools.cache
-def _malloc_trim():
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _libc_function(name: str):
+    """A function of the C library (glibc's malloc_trim, mallopt), or None where there is none such."""
+    library = ctypes.util.find_library("c")
+    if library is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return getattr(ctypes.CDLL(library), name)
     except (OSError, AttributeError):
         return None
 
 
+_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt parameters (glibc malloc.h)
+MMAP_THRESHOLD_BYTES = 8 << 20
+ARENA_MAX = 2
+
+
+def map_large_allocations() -> None:
+    """Serve every allocation of ``MMAP_THRESHOLD_BYTES`` or more from its own mapping, returned to the OS when
+    freed, and cap glibc's arenas at ``ARENA_MAX`` (``mallopt``; a no-op elsewhere).
+
+    glibc's default threshold grows to 32 MB as large blocks are freed, so a 1B model's [2048, 2048] weights and
+    [rows, 2048] activations (17 MB) then come from the heap, where freed ones stay resident until the next trim.
+    GPTQ of a Llama-3.2-1B-shape model (16 x 512 calibration) peaked at 1395 MB of anonymous memory with the
+    defaults and at 1190 MB with an 8 MB threshold (under a 1483 MB cgroup cap). 1 MB did better still on memory
+    but cost SmolLM2's GPTQ 13% of its time in page faults; at 8 MB its time is unchanged. Outputs are unchanged:
+    this is where memory comes from, not what is computed.
+    """
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return
+    mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+    mallopt(_M_ARENA_MAX, ARENA_MAX)
+
+
 def release_freed_memory() -> None:
     """Return the heap's free pages to the OS (glibc ``malloc_trim(0)``); cheap, call between blocks."""
-    trim = _malloc_trim()
+    trim = _libc_function("malloc_trim")
     if trim is not None:
         trim(0)
 

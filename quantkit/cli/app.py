@@ -14,6 +14,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from quantkit import __version__
+from quantkit.device import DEVICE_HELP
 from quantkit.errors import QuantkitError
 
 
@@ -44,6 +45,7 @@ EXIT_INTERRUPTED = 130
 
 ModelOption = Annotated[str, typer.Option("--model", "-m", help="Local HF directory, hub id, or alias (smollm2-135m).")]
 JsonOption = Annotated[Path | None, typer.Option("--json", help="Write the results as one JSON object.")]
+DeviceOption = Annotated[str, typer.Option(help=DEVICE_HELP)]
 
 
 def _version(value: bool) -> None:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from quantkit.cli.app import JsonOption, app, out, write_json_option
+from quantkit.cli.app import DeviceOption, JsonOption, app, out, write_json_option
 from quantkit.cli.engine_options import (
     DraftModelOption,
     KvCacheDtypeOption,
@@ -73,6 +73,7 @@ def bench(
     ] = EngineConfig.max_num_seqs,
     dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = EngineConfig.dtype,
     backend: Annotated[str, typer.Option(help="Attention backend: auto, torch or triton.")] = EngineConfig.backend,
+    device: DeviceOption = EngineConfig.device,
 ) -> None:
     """Benchmark the serving runtime on a seeded workload: throughput, TTFT/TPOT, memory, a per-stage profile."""
     import torch
@@ -91,6 +92,7 @@ def bench(
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
         draft_model=draft_model,
+        device=device,
     )
     if workload not in KINDS:
         raise QuantkitError(f"--workload {workload} is invalid; use one of {', '.join(KINDS)}")

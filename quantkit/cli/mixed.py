@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from quantkit.cli.app import app, err, out
+from quantkit.cli.app import DeviceOption, app, err, out
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODE_HELP
@@ -36,6 +36,7 @@ def sensitivity(
     mse_clip: Annotated[
         bool, typer.Option(help="Solve candidates with Hessian-weighted MSE clipping.")
     ] = SensitivityConfig.mse_clip,
+    device: DeviceOption = SensitivityConfig.device,
 ) -> None:
     """Measure each layer's error under each candidate scheme (reusable for any budget).
 
@@ -52,6 +53,7 @@ def sensitivity(
         mse_clip=mse_clip,
         calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
         calibration_file=calib,
+        device=device,
     )
     measurement = measure_sensitivity(model, config, output)
     title = f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}"

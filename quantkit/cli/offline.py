@@ -13,7 +13,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from quantkit.cli.app import JsonOption, ModelOption, app, err, out, write_json_option
+from quantkit.cli.app import DeviceOption, JsonOption, ModelOption, app, err, out, write_json_option
 from quantkit.data.calibration import FORCE_SMALL_FLAG, MIN_TEXT_COVERAGE, CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS
@@ -128,6 +128,7 @@ def eval_(
         int, typer.Option(help="Windows per forward pass (each holds its logits while scored).")
     ] = EvalConfig.batch_size,
     text_column: TextColumn = EvalConfig.text_column,
+    device: DeviceOption = EvalConfig.device,
     json_out: JsonOption = None,
 ) -> None:
     """Perplexity, and with --reference: the reference's perplexity and the change in percent, KL divergence
@@ -143,6 +144,7 @@ def eval_(
         reference=reference,
         batch_size=batch_size,
         text_column=text_column,
+        device=device,
     )
     result = evaluate(model, config)
     write_json_option(json_out, result.to_dict())
@@ -216,6 +218,7 @@ def quantize(
     max_shard_size: Annotated[
         int, typer.Option(help="Largest checkpoint shard, in MB (held in memory).")
     ] = QuantizeConfig.max_shard_bytes // 1_000_000,
+    device: DeviceOption = QuantizeConfig.device,
     json_out: JsonOption = None,
 ) -> None:
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
@@ -239,6 +242,7 @@ def quantize(
         force=force,
         batch_size=batch_size,
         max_shard_bytes=max_shard_size * 1_000_000,
+        device=device,
     )
     if plan is not None:
         from quantkit.mixed.plan_apply import planned_schemes
@@ -259,11 +263,14 @@ def quantize(
         result = quantize_model(model, config, output)
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
-    table = Table(title=f"Quantized {model} -> {output}", title_justify="left")
-    for column in ("method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"):
+    table = Table(title=f"Quantized {model} -> {output} (on {result.device})", title_justify="left")
+    columns = ["method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"]
+    if result.peak_device_mb is not None:
+        columns.insert(6, "peak GPU MB")
+    for column in columns:
         table.add_column(column, justify="right", overflow="fold")
     schemes = sorted({r.scheme for r in result.records})
-    table.add_row(
+    row = [
         result.method,
         ", ".join(schemes),
         str(len(result.records)),
@@ -271,7 +278,10 @@ def quantize(
         f"{result.seconds:.1f}",
         f"{result.peak_rss_mb:.0f}",
         f"{result.checkpoint_bytes / 1e6:.1f}",
-    )
+    ]
+    if result.peak_device_mb is not None:
+        row.insert(6, f"{result.peak_device_mb:.0f}")
+    table.add_row(*row)
     out.print(table)
     summaries = _export_all(output, exports)
     exported = {"exports": [asdict(s) for s in summaries]} if summaries else {}

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from quantkit.cli.app import JsonOption, app, fail, out, write_json_option
+from quantkit.cli.app import DeviceOption, JsonOption, app, fail, out, write_json_option
 from quantkit.cli.engine_options import (
     DraftModelOption,
     KvCacheDtypeOption,
@@ -58,6 +58,7 @@ def serve(
     speculative: SpeculativeOption = ServeConfig.speculative,
     num_speculative_tokens: NumSpeculativeTokensOption = ServeConfig.num_speculative_tokens,
     draft_model: DraftModelOption = ServeConfig.draft_model,
+    device: DeviceOption = ServeConfig.device,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     from quantkit.server.runner import serve as run_server
@@ -79,6 +80,7 @@ def serve(
         speculative=speculative,
         num_speculative_tokens=num_speculative_tokens,
         draft_model=draft_model,
+        device=device,
     )
     run_server(model, config)
 

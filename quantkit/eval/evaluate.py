@@ -18,6 +18,7 @@ import torch
 
 from quantkit.data.sources import DEFAULT_EVALUATION, load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
+from quantkit.device import DEFAULT_DEVICE, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.eval.logit_metrics import RunningMetrics
 from quantkit.memory import release_freed_memory
@@ -42,6 +43,7 @@ class EvalConfig:
     reference: str | None = None  # a model to measure KL divergence and top-1 agreement against
     text_column: str = "text"
     batch_size: int = 1  # windows per forward pass; each holds [seq_len, vocab] logits per model while scored
+    device: str = DEFAULT_DEVICE  # where the models run and the windows are scored (quantkit.device)
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -53,6 +55,7 @@ class EvalConfig:
             raise QuantkitError(f"--stride must be between 1 and --seq-len ({self.seq_len}), got {self.stride}")
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be at least 1, got {self.batch_size}")
+        resolve_device(self.device)
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,7 +138,7 @@ def score_windows(
                 first = window.first_scored
                 metrics.add_window(
                     logits[row, first - 1 : -1],
-                    ids[row, first:],
+                    ids[row, first:].to(logits.device),
                     None if reference is None else reference[row, first - 1 : -1],
                 )
             del logits, reference  # before the next pass allocates its own
@@ -145,8 +148,11 @@ def score_windows(
 
 
 def model_logits_fn(model) -> LogitsFn:
+    """Logits of ``model`` for token ids, the ids moved to the model's device (the logits stay there)."""
+    device = next(model.parameters()).device
+
     def run(ids: torch.Tensor) -> torch.Tensor:
-        return model(input_ids=ids, use_cache=False).logits.float()
+        return model(input_ids=ids.to(device), use_cache=False).logits.float()
 
     return run
 
@@ -178,11 +184,13 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
                 f"reference '{config.reference}' uses a different tokenizer from '{name}'; "
                 "KL divergence needs the same vocabulary"
             )
-    loaded = load_model(name)
+    device = resolve_device(config.device)
+    loaded = load_model(name, device=device)
     reference_fn = None
     if config.reference is not None:
         same = resolve_model(config.reference) == resolve_model(name)
-        reference_fn = model_logits_fn(loaded if same else load_model(config.reference))  # one copy of a model
+        reference = loaded if same else load_model(config.reference, device=device)  # one copy of a model
+        reference_fn = model_logits_fn(reference)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     metrics = score_windows(
         model_logits_fn(loaded),

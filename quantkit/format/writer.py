@@ -13,11 +13,11 @@ from types import TracebackType
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from quantkit.atomic import disk_full, publish
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
+from quantkit.format.safetensors_stream import StoredTensor, write_safetensors
 
 SAFETENSORS_METADATA = {"format": "pt"}
 SINGLE_FILE = "model.safetensors"
@@ -50,7 +50,7 @@ class ShardedWriter:
         if self.tmp_dir.exists():
             shutil.rmtree(self.tmp_dir)  # left over by a crashed run with the same pid
         self.tmp_dir.mkdir(parents=True)
-        self._pending: dict[str, torch.Tensor] = {}
+        self._pending: dict[str, torch.Tensor | StoredTensor] = {}
         self._pending_bytes = 0
         self._shards: list[list[str]] = []  # tensor names per flushed shard
         self._names: set[str] = set()
@@ -63,18 +63,20 @@ class ShardedWriter:
                 f"output directory {self.final_dir} already exists; choose another path or pass overwrite=True"
             )
 
-    def add(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Queue tensors; full shards are flushed to disk as they fill."""
+    def add(self, tensors: Mapping[str, torch.Tensor | StoredTensor]) -> None:
+        """Queue tensors; full shards are flushed to disk as they fill. A :class:`StoredTensor` (bytes in another
+        safetensors file) is copied when its shard is written and never held in memory."""
         if self._done:
             raise RuntimeError("ShardedWriter.add() after finalize()/abort()")
         for name, tensor in tensors.items():
             if name in self._names:
                 raise QuantkitError(f"tensor {name!r} was added twice")
-            nbytes = tensor.numel() * tensor.element_size()
+            stored = isinstance(tensor, StoredTensor)
+            nbytes = tensor.nbytes if stored else tensor.numel() * tensor.element_size()
             if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
                 self._flush()
             self._names.add(name)
-            self._pending[name] = self._owned(tensor)
+            self._pending[name] = tensor if stored else self._owned(tensor)
             self._pending_bytes += nbytes
             self._total_bytes += nbytes
 
@@ -83,7 +85,9 @@ class ShardedWriter:
         t = tensor.detach().to("cpu").contiguous()
         shares = t.untyped_storage().nbytes() != t.numel() * t.element_size()
         if shares or any(
-            p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr() for p in self._pending.values()
+            p.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+            for p in self._pending.values()
+            if isinstance(p, torch.Tensor)
         ):
             t = t.clone()
         return t
@@ -94,7 +98,7 @@ class ShardedWriter:
         index = len(self._shards)
         shard = self.tmp_dir / f"shard-{index:05d}.tmp"
         try:
-            save_file(self._pending, str(shard), metadata=SAFETENSORS_METADATA)
+            write_safetensors(shard, self._pending, SAFETENSORS_METADATA)  # save_file's bytes, streamed
         except Exception as exc:
             full = disk_full(exc, self.final_dir)
             if full is None or full is exc:

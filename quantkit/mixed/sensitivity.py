@@ -27,6 +27,7 @@ from torch import nn
 
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.data.model_calibration import calibration_for_model
+from quantkit.device import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES, parse_candidate
@@ -58,6 +59,7 @@ class SensitivityConfig:
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
     batch_size: int = QuantizeConfig.batch_size
+    device: str = QuantizeConfig.device  # where blocks, statistics, solves (and the kl/hybrid model) live
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -69,6 +71,7 @@ class SensitivityConfig:
             parse_candidate(name)
         if self.kl_windows < 1:
             raise QuantkitError(f"--kl-windows must be at least 1, got {self.kl_windows}")
+        resolve_device(self.device)
 
 
 def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Path | None = None) -> Measurement:
@@ -84,6 +87,7 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
     schemes = {name: parse_candidate(name) for name in config.candidates}
     solved_as = {name: None if s is None else with_solver_options(s, options) for name, s in schemes.items()}
     units: list[UnitMeasurement] = []
+    device = resolve_device(config.device)
     with (
         SourceWeights(source) as weights,
         tempfile.TemporaryDirectory(dir=_scratch_parent(output)) as scratch,
@@ -92,17 +96,24 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         storage = weights.storage_dtype()
         meter = UnitMeter(arch, solved_as, config.gptq, storage, config.mode)
         if config.mode != "proxy":  # the whole float model, for the final logits
-            skeleton, lazy = load_model(source), None
-            meter.kl = _kl_reference(skeleton, arch, calibration.input_ids[: config.kl_windows])
+            skeleton, lazy = load_model(source, device=device), None
+            meter.kl = _kl_reference(skeleton, arch, calibration.input_ids[: config.kl_windows].to(device))
         else:
             skeleton, lazy = build_skeleton(source), weights
-        runner = BlockRunner.for_model(skeleton, arch, calibration.seq_len, config.batch_size)
-        hidden = embed_inputs(skeleton, arch, lazy, calibration.input_ids, storage)
+        runner = BlockRunner.for_model(skeleton, arch, calibration.seq_len, config.batch_size, device=device)
+        ids = calibration.input_ids.to(device) if lazy is None else calibration.input_ids  # where the embedding is
+        hidden = embed_inputs(skeleton, arch, lazy, ids, storage).to(device)
         visits = walk_blocks(
-            skeleton, arch, lazy, description=f"Measuring ({config.mode})", show_progress=config.show_progress
+            skeleton,
+            arch,
+            lazy,
+            description=f"Measuring ({config.mode})",
+            device=device,
+            show_progress=config.show_progress,
         )
+        on_cpu = device.type == "cpu"  # the spill file spares CPU memory; on a GPU activations stay on it
         for visit in visits:
-            staged = StagedBlock(visit.module, arch, runner, hidden, spill=spill)
+            staged = StagedBlock(visit.module, arch, runner, hidden, spill=spill if on_cpu else None)
             for stage, hessian in stage_hessians(staged):
                 assert hessian is not None
                 units.append(meter.measure(visit.module, visit.prefix, visit.index, stage, hessian))

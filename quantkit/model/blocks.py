@@ -38,12 +38,16 @@ class BlockRunner:
     batch_size: int = 8
 
     @classmethod
-    def for_model(cls, model: nn.Module, arch: ArchSpec, seq_len: int, batch_size: int = 8) -> BlockRunner:
+    def for_model(
+        cls, model: nn.Module, arch: ArchSpec, seq_len: int, batch_size: int = 8, device: torch.device | None = None
+    ) -> BlockRunner:
+        """The rotary tables computed where the model's rotary module lives, kept on ``device`` (None: there)."""
         rotary = get_module(model, arch.rotary_path)
-        probe = torch.zeros(1, seq_len, 1, dtype=torch.float32)
-        positions = torch.arange(seq_len).unsqueeze(0)
+        where = next(rotary.buffers(), torch.empty(0)).device
+        probe = torch.zeros(1, seq_len, 1, dtype=torch.float32, device=where)
+        positions = torch.arange(seq_len, device=where).unsqueeze(0)
         cos, sin = rotary(probe, positions)
-        return cls((cos.float(), sin.float()), batch_size)
+        return cls((cos.float().to(device), sin.float().to(device)), batch_size)
 
     def _call_kwargs(self, seq_len: int, for_autograd: bool = False) -> dict[str, object]:
         cos, sin = self.position_embeddings
@@ -70,7 +74,7 @@ class BlockRunner:
 
     def run(self, block: nn.Module, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The block over all samples, mini-batch by mini-batch; output in ``out_dtype`` (default: input's)."""
-        out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype)
+        out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
         with torch.inference_mode():
             for start in range(0, hidden.shape[0], self.batch_size):
                 stop = start + self.batch_size

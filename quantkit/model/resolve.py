@@ -66,8 +66,11 @@ def is_quantized_dir(path: Path) -> bool:
     return quant.get("quant_method") == "compressed-tensors"
 
 
-def load_model(spec: str | Path, dtype: torch.dtype | None = None) -> PreTrainedModel:
-    """Load a causal LM (float or quantkit/compressed-tensors checkpoint) for CPU evaluation, in eval mode."""
+def load_model(
+    spec: str | Path, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> PreTrainedModel:
+    """Load a causal LM (float or quantkit/compressed-tensors checkpoint) for evaluation, in eval mode, read on the
+    CPU and moved to ``device`` (None: kept on the CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -82,7 +85,7 @@ def load_model(spec: str | Path, dtype: torch.dtype | None = None) -> PreTrained
         model = load_quantized_model(path, dtype=dtype, cache_weight=True)  # dequantize once, not per forward
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return model.eval()
+    return model.to(device).eval() if device is not None else model.eval()
 
 
 def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -18,6 +17,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.format.files import shard_files
 from quantkit.format.loader import materialize_meta_buffers
+from quantkit.format.safetensors_stream import StoredTensor, stored_tensors
 
 
 class SourceWeights:
@@ -30,10 +30,10 @@ class SourceWeights:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.files = shard_files(path)
-        self._where: dict[str, Path] = {}
+        self._stored: dict[str, StoredTensor] = {}  # where each tensor's bytes are, from the shard headers
         for f in self.files:
-            with safe_open(str(f), framework="pt") as handle:
-                self._where.update(dict.fromkeys(handle.keys(), f))
+            self._stored.update(stored_tensors(f))
+        self._where: dict[str, Path] = {name: t.path for name, t in self._stored.items()}
 
     def __enter__(self) -> SourceWeights:
         return self
@@ -65,31 +65,40 @@ class SourceWeights:
                     out[name] = handle.get_tensor(name).clone()  # own the memory: the mapping closes now
         return out
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape, read from its shard's header (no data is read)."""
-        if name not in self._where:
+    def stored(self, name: str) -> StoredTensor:
+        """Where a tensor's bytes are: what the checkpoint writer copies without loading the tensor."""
+        if name not in self._stored:
             raise QuantkitError(f"tensor '{name}' is missing from the checkpoint at {self.path}")
-        with safe_open(str(self._where[name]), framework="pt") as handle:
-            return tuple(handle.get_slice(name).get_shape())
+        return self._stored[name]
+
+    def rows(self, name: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (1-D) of a 2-D tensor (an embedding) in its stored dtype, read row by row: the rows a set of
+        calibration windows uses, without loading a 128k-row table."""
+        stored = self.stored(name)
+        wanted = ids.tolist()
+        bad = [i for i in wanted if not 0 <= i < stored.shape[0]]
+        if bad:
+            raise QuantkitError(f"token id {bad[0]} is outside '{name}' ({stored.shape[0]} rows) in {self.path}")
+        return stored.read_rows(wanted)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from its shard's header (no data is read)."""
+        return self.stored(name).shape
 
     def stored_bytes(self, name: str) -> int:
         """A tensor's size on disk, from its shard's header."""
-        with safe_open(str(self._where[name]), framework="pt") as handle:
-            piece = handle.get_slice(name)
-            shape, dtype = piece.get_shape(), piece.get_dtype()
-        return math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+        return self.stored(name).nbytes
 
     def in_features(self, linears: list[str]) -> dict[str, int]:
         """Each Linear's in-features (``<name>.weight`` is [out, in])."""
         return {name: int(self.shape(f"{name}.weight")[1]) for name in linears}
 
     def storage_dtype(self) -> torch.dtype:
-        """The dtype of the model's float weights (the checkpoint keeps it for unquantized tensors)."""
-        for name in self._where:
-            if name.endswith(".weight"):
-                tensor = self.get(name)
-                if tensor.is_floating_point():
-                    return tensor.dtype
+        """The dtype of the model's float weights (the checkpoint keeps it for unquantized tensors), from the shard
+        headers: no tensor is loaded (the first weight may be a 128k-row embedding)."""
+        for name, stored in self._stored.items():
+            if name.endswith(".weight") and stored.dtype in _FLOAT_DTYPES:
+                return _FLOAT_DTYPES[stored.dtype]
         raise QuantkitError(f"no floating-point weight found in {self.path}")
 
     def fingerprint(self) -> str:
@@ -101,7 +110,7 @@ class SourceWeights:
 
 
 _HASH_CHUNK = 16 << 20
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 
 def shard_digest(path: Path) -> str:
@@ -135,13 +144,20 @@ def build_skeleton(path: Path) -> nn.Module:
     return model.eval()
 
 
-def load_module(module: nn.Module, prefix: str, weights: SourceWeights, dtype: torch.dtype = torch.float32) -> None:
-    """Load ``module``'s parameters and persistent buffers from the shards (cast to ``dtype``)."""
+def load_module(
+    module: nn.Module,
+    prefix: str,
+    weights: SourceWeights,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> None:
+    """Load ``module``'s parameters and persistent buffers from the shards (float ones cast to ``dtype``) onto
+    ``device`` (None: the CPU); each tensor is moved as stored and cast there, one at a time."""
     state = {}
     expected = module.state_dict(keep_vars=True)
     stored_all = weights.get_many([f"{prefix}.{name}" for name in expected])
     for name, tensor in expected.items():
-        stored = stored_all.pop(f"{prefix}.{name}")  # each source tensor freed once converted
+        stored = stored_all.pop(f"{prefix}.{name}").to(device)  # each source tensor freed once converted
         state[name] = stored.to(dtype) if stored.is_floating_point() else stored
         if tuple(stored.shape) != tuple(tensor.shape):
             raise QuantkitError(

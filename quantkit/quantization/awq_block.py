@@ -206,7 +206,7 @@ def apply_awq_to_block(
 
     for group in groups:
         x = captured.rows(arch.stage_of(group.linears[0]).head)
-        stat = ActStat.zeros(x.shape[1])
+        stat = ActStat.zeros(x.shape[1], device=x.device)
         stat.update(x)
         linears = [get_module(block, name) for name in group.linears]
         loss_fn = _group_loss(block, group, inspected[group], x, captured)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional
 
 from quantkit.memory import release_freed_memory
 from quantkit.model.architectures import ArchSpec, Stage
@@ -38,10 +39,12 @@ def walk_blocks(
     description: str,
     first: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
     show_progress: bool = True,
 ) -> Iterator[BlockVisit]:
-    """Each decoder block from ``first`` on, with its weights loaded (as ``dtype``) from ``weights`` during the
-    visit and released after it. ``weights`` None: the model is already loaded; blocks are visited as they are."""
+    """Each decoder block from ``first`` on, with its weights loaded (as ``dtype``, onto ``device``; None: the CPU)
+    from ``weights`` during the visit and released after it. ``weights`` None: the model is already loaded; blocks
+    are visited as they are."""
     layers = get_module(model, arch.layers_path)
     with progress_bar(show_progress) as bar:
         task = bar.add_task(description, total=len(layers), completed=first, unit="block")
@@ -49,7 +52,7 @@ def walk_blocks(
             prefix = f"{arch.layers_path}.{index}"
             block = layers[index]
             if weights is not None:
-                load_module(block, prefix, weights, dtype=dtype)
+                load_module(block, prefix, weights, dtype=dtype, device=device)
             yield BlockVisit(index, prefix, block)
             if weights is not None:
                 release_module(block)
@@ -65,22 +68,36 @@ def stage_hessians(staged: StagedBlock, *, with_hessian: bool = True) -> Iterato
     computed from the block as it is then.
     """
     for stage in staged.arch.stages:
-        stat = HessianStat.zeros(get_module(staged.block, stage.head).in_features) if with_hessian else None
-        for x in staged.stage_inputs(stage.name):
-            if stat is not None:
-                stat.update(x)
-        hessian = None if stat is None else stat.hessian()
+        k = get_module(staged.block, stage.head).in_features
+        stat = HessianStat.zeros(k, device=staged.hidden.device) if with_hessian else None
+        _accumulate(staged, stage.name, stat)
+        hessian = None if stat is None else stat.take_hessian()
         del stat
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         yield stage, hessian
+        del hessian  # not held while the next stage's inputs are computed
+
+
+def _accumulate(staged: StagedBlock, stage: str, stat: HessianStat | None) -> None:
+    """Run a stage over every mini-batch, adding its inputs to ``stat``; the last input (it may be a view of a
+    reused [rows, intermediate] buffer) goes out of scope on return, before the solver runs."""
+    for x in staged.stage_inputs(stage):
+        if stat is not None:
+            stat.update(x)
 
 
 def embed_inputs(
     model: nn.Module, arch: ArchSpec, weights: SourceWeights | None, input_ids: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The first block's input: the embeddings of ``input_ids``, stored as ``dtype``. ``weights``: load the
-    embedding from them for the call and release it after (None: the model holds its weights already)."""
+    """The first block's input: the embeddings of ``input_ids``, stored as ``dtype``. ``weights``: read from them
+    (None: the model holds its weights already): for a plain lookup table only the rows the windows use, else the
+    whole embedding, loaded for the call and released after."""
     embedding = get_module(model, arch.embed_path)
+    if weights is not None and type(embedding) is nn.Embedding:  # a pure gather: the same values from the rows
+        unique, inverse = torch.unique(input_ids, return_inverse=True)
+        rows = weights.rows(f"{arch.embed_path}.weight", unique).to(dtype)
+        with torch.inference_mode():
+            return functional.embedding(inverse, rows).to(dtype)
     if weights is not None:
         load_module(embedding, arch.embed_path, weights, dtype=dtype)
     hidden = embed(model, arch, input_ids, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -27,3 +28,4 @@ class BlockPass:
     runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
     spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)
     tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)
+    hessian_scratch: Path | None = None  # a file the solver parks a stage's Hessian in while it holds the factor

@@ -5,13 +5,14 @@ then the whole directory (non-block tensors, the blocks from the work directory,
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from quantkit.format.files import RUN_LOG, side_files
+from quantkit.format.safetensors_stream import stored_tensors
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
@@ -24,7 +25,8 @@ from quantkit.quantization.workdir import WorkDir
 def block_tensors(
     block: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], storage: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one block: packed quantized linears, everything else in the storage dtype."""
+    """The checkpoint tensors of one block, on the CPU whatever device solved it: packed quantized linears,
+    everything else in the storage dtype."""
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in block.state_dict().items():
         module_name = name.rpartition(".")[0]
@@ -32,8 +34,16 @@ def block_tensors(
             continue
         tensors[f"{prefix}.{name}"] = tensor.to(storage) if tensor.is_floating_point() else tensor.clone()
     for name, qw in quantized.items():
-        tensors.update(linear_tensors(f"{prefix}.{name}", qw, storage))
-    return tensors
+        tensors.update(linear_tensors(f"{prefix}.{name}", _on_cpu(qw), storage))  # packed on the CPU
+    return {name: tensor.cpu() for name, tensor in tensors.items()}
+
+
+def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
+    """``qw`` with its tensors on the CPU (itself when they are there already)."""
+    if qw.qweight.device.type == "cpu":
+        return qw
+    move = {"qweight": qw.qweight, "scale": qw.scale, "zero": qw.zero, "g_idx": qw.g_idx}
+    return replace(qw, **{k: None if v is None else v.cpu() for k, v in move.items()})
 
 
 def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
@@ -46,14 +56,14 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
         model_config["tie_word_embeddings"] = False
     writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
     with writer:
+        # tensors already in files (the source's, the finished blocks') are copied as stored, never loaded
         for name in job.weights.names():
             if not name.startswith(layer_prefix) and name not in outer:
-                writer.add({name: job.weights.get(name)})
+                writer.add({name: job.weights.stored(name)})
         for name, tensor in outer.items():
             writer.add({name: tensor})
         for index in range(work.finished):
-            with safe_open(str(work.block_file(index)), framework="pt") as f:
-                writer.add({key: f.get_tensor(key) for key in f.keys()})  # noqa: SIM118 (safe_open API)
+            writer.add(stored_tensors(work.block_file(index)))
         (writer.tmp_dir / RUN_LOG).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
         writer.finalize(model_config, side_files(job.source), job.assignment.quantization_config())
 
@@ -72,6 +82,8 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
     }
     if job.rotation is not None:
         log["rotation"] = job.rotation.log() | {"untied_head": job.rotation.head_name if job.rotation.tied else None}
+    if job.device.type != "cpu":  # CPU runs keep the log they always had
+        log["device"] = str(job.device)
     if job.assignment.fallbacks:
         log["layout_fallbacks"] = job.assignment.fallbacks  # --layout-policy fallback: linear -> "g128 -> g64"
     return log

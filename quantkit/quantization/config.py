@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantkit.data.calibration import CalibrationConfig
+from quantkit.device import DEFAULT_DEVICE, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import EXPORT_SUPPORT, LAYOUT_POLICIES, STRICT
 from quantkit.format.scheme import QuantScheme
@@ -51,6 +52,7 @@ class QuantizeConfig:
     force: bool = False
     batch_size: int = 4  # calibration windows per forward pass
     max_shard_bytes: int = 1024 * 1_000_000  # largest checkpoint shard (held in memory while written)
+    device: str = DEFAULT_DEVICE  # where blocks are solved (quantkit.device: auto, cpu, cuda, cuda:N)
     show_progress: bool = True
 
     @classmethod
@@ -120,3 +122,4 @@ class QuantizeConfig:
                 raise QuantkitError(f"--ignore '{pattern}' is not a valid regular expression: {exc}") from exc
         if self.calibration_file is None:
             self.calibration.validate()
+        resolve_device(self.device)  # an unknown or unavailable device fails before any work

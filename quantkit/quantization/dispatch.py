@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -20,13 +21,16 @@ from quantkit.quantization.solvers.gptq import GPTQConfig, gptq_solve, hessian_w
 from quantkit.quantization.solvers.grid import RTNConfig, quantize_rtn
 
 Solved = list[tuple[QuantizedWeight, LayerRecord]]
-SolveFn = Callable[[SolverConfig, list[torch.Tensor], torch.Tensor | None, QuantScheme, torch.dtype, list[str]], Solved]
+SolveFn = Callable[
+    [SolverConfig, list[torch.Tensor], torch.Tensor | None, QuantScheme, torch.dtype, list[str], Path | None], Solved
+]
 
 
 @dataclass(frozen=True, slots=True)
 class WeightSolver:
-    """``solve(config, weights, hessian, scheme, storage, names)``: linears sharing one input (and one scheme) in,
-    one quantized weight and record per linear out. ``needs_hessian``: whether ``hessian`` must be given."""
+    """``solve(config, weights, hessian, scheme, storage, names, scratch)``: linears sharing one input (and one
+    scheme) in, one quantized weight and record per linear out. ``needs_hessian``: whether ``hessian`` must be given;
+    ``scratch``: a file the solver may park the Hessian in while it needs less of it (None: keep it in memory)."""
 
     needs_hessian: bool
     solve: SolveFn
@@ -39,6 +43,7 @@ def _solve_rtn(
     scheme: QuantScheme,
     storage: torch.dtype,
     names: list[str],
+    scratch: Path | None = None,
 ) -> Solved:
     return [
         (quantize_rtn(w, scheme, scale_dtype=storage), LayerRecord(name, scheme.name, None, None))
@@ -53,11 +58,22 @@ def _solve_gptq(
     scheme: QuantScheme,
     storage: torch.dtype,
     names: list[str],
+    scratch: Path | None = None,
 ) -> Solved:
     """GPTQ on linears that share an input (one Hessian): rows are independent given H, so solving the
     row-stacked matrix once equals solving each linear alone, with one factorisation and one column sweep."""
     assert hessian is not None, "GPTQ needs the stage's Hessian"
-    result = gptq_solve(torch.cat(weights), hessian, scheme, config, scale_dtype=storage, name=", ".join(names))
+    label = ", ".join(names)
+    result = gptq_solve(  # the stacked copy is the solver's alone: it works in it and frees it early
+        torch.cat(weights).float(),
+        hessian,
+        scheme,
+        config,
+        scale_dtype=storage,
+        name=label,
+        overwrite=True,
+        hessian_scratch=scratch,
+    )
     out, start = [], 0
     for w, name in zip(weights, names, strict=True):
         rows = slice(start, start + w.shape[0])

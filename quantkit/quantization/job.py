@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ class QuantizeJob:
     assignment: SchemeAssignment
     calibration: CalibrationSet | None  # None: data-free (round-to-nearest)
     rotation: JobRotation | None = None  # None: the weights are solved as stored
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # config.device, resolved
 
     def fingerprints(self) -> dict[str, str]:
         """What the output depends on, recorded in the work directory and the checkpoint's log."""

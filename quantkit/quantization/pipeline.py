@@ -18,10 +18,11 @@ from pathlib import Path
 import torch
 
 from quantkit.data.model_calibration import calibration_for_model
+from quantkit.device import peak_device_memory_mb, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
-from quantkit.memory import peak_rss_mb, release_freed_memory
+from quantkit.memory import map_large_allocations, peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.progress import Interrupted
@@ -53,6 +54,8 @@ class QuantizeResult:
     resumed_from: int
     records: list[LayerRecord] = field(default_factory=list)
     already_complete: bool = False  # --resume found this run's finished checkpoint: nothing was redone
+    device: str = "cpu"  # where the blocks were solved
+    peak_device_mb: float | None = None  # peak memory allocated on an accelerator (None on the CPU)
 
 
 def quantize_model(
@@ -71,6 +74,7 @@ def quantize_model(
     """
     config = QuantizeConfig.of(config)
     config.validate()
+    map_large_allocations()  # keeps the resident set near what is live (see quantkit/memory.py)
     start = time.perf_counter()
     output = Path(output)
     remove_leftovers(output)
@@ -112,6 +116,8 @@ def _result(
         resumed_from=resumed_from,
         records=records,
         already_complete=already_complete,
+        device=str(job.device),
+        peak_device_mb=peak_device_memory_mb(job.device),
     )
 
 
@@ -165,28 +171,33 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
         assignment=assignment,
         calibration=calibration,
         rotation=rotation,
+        device=resolve_device(config.device),
     )
 
 
 def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], None] | None) -> None:
+    """The block loop. The block being solved, its statistics and the calibration activations live on
+    ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU."""
     skeleton = build_skeleton(job.source)
     tune = job.config.tune if job.config.tuning else None
     run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune)
+    device = job.device
     hidden: torch.Tensor | None = None
     reference: torch.Tensor | None = None
     # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
     load_dtype = job.storage if job.rotation is None else torch.float32
     if job.calibration is not None:
         load_dtype = torch.float32
-        run.runner = BlockRunner.for_model(skeleton, job.arch, job.calibration.seq_len, job.config.batch_size)
+        seq_len, batch_size = job.calibration.seq_len, job.config.batch_size
+        run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
         if work.finished > 0:
-            hidden = work.load_hidden()
+            hidden = work.load_hidden(device)
         elif job.rotation is not None:
-            hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage)
+            hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage).to(device)
         else:
-            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage)
+            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage).to(device)
         if tune is not None:  # the float model's activations, the targets of tuning (see quantize_block)
-            reference = work.load_reference() if work.finished > 0 else hidden.clone()
+            reference = work.load_reference(device) if work.finished > 0 else hidden.clone()
     visits = walk_blocks(
         skeleton,
         job.arch,
@@ -194,10 +205,13 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
         description=f"Quantizing ({job.config.method})",
         first=work.finished,
         dtype=load_dtype,
+        device=device,
         show_progress=job.config.show_progress,
     )
     with SpillFile(work.spill_file) as spill, closing(visits):  # closing: the bar stops before Ctrl-C's message
-        run.spill = spill
+        # the spill files spare CPU memory; on an accelerator the activations stay in device memory instead
+        run.spill = spill if device.type == "cpu" else None
+        run.hessian_scratch = work.hessian_scratch if device.type == "cpu" else None
         for visit in visits:
             if job.rotation is not None:
                 job.rotation.fold(visit.module)

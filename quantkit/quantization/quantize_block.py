@@ -10,6 +10,7 @@ from torch import nn
 
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.memory import release_freed_memory
+from quantkit.model.architectures import DOWN, GATE_UP
 from quantkit.model.blocks import get_module
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_pass import BlockPass, BlockSchemes
@@ -40,7 +41,9 @@ def quantize_block(
     run: BlockPass,
     reference: torch.Tensor | None = None,
 ) -> QuantizedBlock:
-    """Quantize one block in place: its linears end up holding their dequantized weights.
+    """Quantize one block in place: its linears end up holding their dequantized weights, except on a run without
+    tuning: there the attention linears end up empty once h2 is complete, and with a spill file gate and up too
+    (once only down_proj runs again).
 
     ``hidden`` [n, T, H]: the block's calibration input (None for a data-free run); the output is written over
     it (one activation buffer less): pass a clone to keep the input. ``reference``: with tuning, the float
@@ -62,20 +65,49 @@ def quantize_block(
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
     for stage, hessian in stage_hessians(staged, with_hessian=solver.needs_hessian):
+        if not tuning and (stage.name == GATE_UP or (stage.name == DOWN and staged.output_reads_spill)):
+            # h2 is complete, so no later step runs the attention linears; with every down_proj input spilled,
+            # only down_proj runs again (the output is h2 + down(spilled inputs))
+            _drop_dense(block, out.weights)
         for names, scheme in _same_scheme_runs(stage.linears, schemes):
-            linears = [get_module(block, name) for name in names]
-            weights = [linear.weight.data for linear in linears]
-            fulls = [f"{prefix}.{name}" for name in names]
-            solved = solver.solve(last, weights, hessian, scheme, run.storage, fulls)
-            for name, linear, (weight, record) in zip(names, linears, solved, strict=True):
-                write_back_dequantized(linear, weight)
-                out.weights[name] = weight
-                out.records.append(record)
+            _solve_run(block, prefix, names, scheme, hessian, run, out)
+        del hessian
     release_freed_memory()
     out.output = staged.output()
     if tuning:
         _tune(block, prefix, inputs, targets, out, run)
     return out
+
+
+def _solve_run(
+    block: nn.Module,
+    prefix: str,
+    names: list[str],
+    scheme: QuantScheme,
+    hessian: torch.Tensor | None,
+    run: BlockPass,
+    out: QuantizedBlock,
+) -> None:
+    """Solve linears that share an input and a scheme; each then computes with its dequantized weight (its float
+    weight is freed as soon as the solver is done with it)."""
+    _, config = split_solvers(run.solvers)
+    linears = [get_module(block, name) for name in names]
+    weights = [linear.weight.data for linear in linears]
+    fulls = [f"{prefix}.{name}" for name in names]
+    solved = weight_solver(config).solve(config, weights, hessian, scheme, run.storage, fulls, run.hessian_scratch)
+    del weights
+    for name, linear, (weight, record) in zip(names, linears, solved, strict=True):
+        write_back_dequantized(linear, weight)
+        out.weights[name] = weight
+        out.records.append(record)
+
+
+def _drop_dense(block: nn.Module, quantized: dict[str, QuantizedWeight]) -> None:
+    """Free the dequantized float weights of linears already quantized (their integer weights are kept): at a 1B
+    model's down_proj stage that is 176 MB no later step reads."""
+    for name in quantized:
+        linear = get_module(block, name)
+        linear.weight.data = linear.weight.data.new_empty(0)
 
 
 def _tune(

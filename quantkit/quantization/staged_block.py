@@ -101,6 +101,12 @@ class StagedBlock:
                 out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
         return out
 
+    @property
+    def output_reads_spill(self) -> bool:
+        """Whether :meth:`output` will read down_proj's inputs back from the spill file (all of them are there):
+        then no linear of the block but down_proj runs again."""
+        return self._spill_complete()
+
     def _spill_complete(self) -> bool:
         return self.spill is not None and self._spilled_batches == len(list(self._batches()))
 
@@ -128,7 +134,8 @@ class StagedBlock:
         else:
             if self._context is None:
                 n, t, _ = self.hidden.shape
-                self._context = torch.empty(n, t, self.o_proj.in_features, dtype=self.hidden.dtype)
+                shape = (n, t, self.o_proj.in_features)
+                self._context = torch.empty(shape, dtype=self.hidden.dtype, device=self.hidden.device)
             self._context[rows] = stored
         self._context_ready = rows.stop == self.hidden.shape[0]
         return captured
@@ -180,7 +187,7 @@ class StagedBlock:
         b, t, k = x.shape
         rows = b * t
         if self._mlp_scratch is None or self._mlp_scratch.shape[1] < rows:
-            self._mlp_scratch = torch.empty(2, rows, gate.out_features)
+            self._mlp_scratch = torch.empty(2, rows, gate.out_features, device=x.device)
         g, u = self._mlp_scratch[0, :rows], self._mlp_scratch[1, :rows]
         flat = x.reshape(rows, k)
         _linear_into(g, flat, gate)

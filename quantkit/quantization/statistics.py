@@ -73,6 +73,18 @@ def symmetric_from_upper(upper: torch.Tensor) -> torch.Tensor:
     return torch.triu(upper) + torch.triu(upper, diagonal=1).T
 
 
+def mirror_upper_(m: torch.Tensor) -> torch.Tensor:
+    """In place, :func:`symmetric_from_upper` of ``m`` with no [K, K] temporary: the lower triangle is overwritten
+    by the upper one's mirror, a strip of rows at a time (the same values: each entry is copied or kept)."""
+    k = m.shape[0]
+    for i0 in range(0, k, _GRAM_STRIP):
+        i1 = min(i0 + _GRAM_STRIP, k)
+        tile = m[i0:i1, i0:i1]
+        tile.copy_(symmetric_from_upper(tile))
+        m[i1:, i0:i1] = m[i0:i1, i1:].T
+    return m
+
+
 @dataclass(slots=True)
 class HessianStat:
     """Sum of ``x^T x`` over calibration rows and the number of rows ``count``.
@@ -112,6 +124,14 @@ class HessianStat:
         """float32 ``H = 2 / count * X^T X`` (divided in the accumulation dtype)."""
         _divide_check(self.count, "HessianStat")
         return (self.xtx * (2.0 / self.count)).float()
+
+    def take_hessian(self) -> torch.Tensor:
+        """:meth:`hessian`, bit for bit, made in the sum's own memory (no [K, K] temporary); the stat is empty
+        afterwards. At K = 8192 that spares three 268 MB matrices at the end of a stage."""
+        _divide_check(self.count, "HessianStat")
+        h = mirror_upper_(self.gram).mul_(2.0 / self.count).float()
+        self.gram, self.count = torch.zeros(0, 0, dtype=self.gram.dtype, device=self.gram.device), 0
+        return h
 
     def save(self, path: str | Path) -> None:
         _save(path, {"xtx": self.xtx}, self.count, "hessian")

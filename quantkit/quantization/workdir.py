@@ -9,7 +9,8 @@ Every state change is one atomic, durable step: a file is written under a tempor
 its directory flushed; a block's tensors and its input for the next block get new names, and ``state.json``,
 renamed last, is what makes them current. A kill at any instruction leaves the old state or the new one, and
 files the current state does not name are removed when the run is resumed. ``down_inputs.spill`` is the blocks'
-scratch file (see :class:`quantkit.quantization.spill.SpillFile`). Removal after success first renames the
+scratch file (see :class:`quantkit.quantization.spill.SpillFile`), ``hessian.spill`` the solver's (a stage's
+Hessian parked while GPTQ holds its factor). Removal after success first renames the
 directory away (one atomic step), so a crash while deleting leaves nothing a later run could mistake for work.
 """
 
@@ -31,6 +32,7 @@ from quantkit.quantization.records import LayerRecord, RunRecord, record_from_di
 STATE = "state.json"
 LEGACY_HIDDEN = "hidden.pt"  # the one input file of work directories written before per-block names
 SPILL = "down_inputs.spill"
+HESSIAN_SCRATCH = "hessian.spill"
 OUTER = "outer.safetensors"
 
 
@@ -88,6 +90,11 @@ class WorkDir:
     def spill_file(self) -> Path:
         return self.path / SPILL
 
+    @property
+    def hessian_scratch(self) -> Path:
+        """Where the solver parks a stage's Hessian while it holds the factor (scratch, like the spill file)."""
+        return self.path / HESSIAN_SCRATCH
+
     def block_file(self, index: int) -> Path:
         return self.path / f"block_{index:04d}.safetensors"
 
@@ -109,11 +116,11 @@ class WorkDir:
         name = reference_name = None
         if hidden is not None:
             name = f"hidden_{index + 1:04d}.pt"
-            write_atomically(self.path / name, lambda p: torch.save(hidden.contiguous(), p))
+            write_atomically(self.path / name, lambda p: torch.save(hidden.cpu().contiguous(), p))
             commit_point("hidden-written")
         if reference is not None:
             reference_name = f"reference_{index + 1:04d}.pt"
-            write_atomically(self.path / reference_name, lambda p: torch.save(reference.contiguous(), p))
+            write_atomically(self.path / reference_name, lambda p: torch.save(reference.cpu().contiguous(), p))
             commit_point("reference-written")
         self.state["finished"] = index + 1
         self.state["hidden"] = name
@@ -141,20 +148,21 @@ class WorkDir:
     def load_outer(self) -> dict[str, torch.Tensor]:
         return load_file(str(self.path / OUTER)) if self.has_outer else {}
 
-    def load_hidden(self) -> torch.Tensor:
+    def load_hidden(self, device: torch.device | None = None) -> torch.Tensor:
+        """The next block's input (saved from the CPU), onto ``device`` (None: the CPU)."""
         path = self._hidden_path()
         if path is None or not path.is_file():
             raise QuantkitError(f"{self.path} has no input for block {self.finished}; rerun without --resume")
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True).to(device)
 
-    def load_reference(self) -> torch.Tensor | None:
-        """The float model's input to the next block (tuning runs; None when this run keeps none)."""
+    def load_reference(self, device: torch.device | None = None) -> torch.Tensor | None:
+        """The float model's input to the next block (tuning runs; None when this run keeps none), onto ``device``."""
         path = self._reference_path()
         if path is None:
             return None
         if not path.is_file():
             raise QuantkitError(f"{self.path} has no reference input for block {self.finished}; rerun without --resume")
-        return torch.load(path, weights_only=True)
+        return torch.load(path, weights_only=True).to(device)
 
     def retire(self) -> Path:
         """Rename the directory away (one atomic step) so that nothing can resume from it; returns the new path."""
@@ -173,7 +181,7 @@ class WorkDir:
 
     def _remove_unreferenced(self) -> None:
         """Files of steps that never committed: temporaries, blocks past ``finished``, superseded inputs."""
-        keep = {STATE, SPILL, *(self.block_file(i).name for i in range(self.finished))}
+        keep = {STATE, SPILL, HESSIAN_SCRATCH, *(self.block_file(i).name for i in range(self.finished))}
         if self.has_outer:
             keep.add(OUTER)
         for current in (self._hidden_path(), self._reference_path()):

@@ -16,6 +16,8 @@ import yaml
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from quantkit.data.calibration import SELECTIONS, STRATEGIES, CalibrationConfig
+from quantkit.device import DEFAULT_DEVICE, check_device_name
+from quantkit.errors import QuantkitError
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS, OUTPUT_FORMATS
 from quantkit.format.engines import LAYOUT_POLICIES
@@ -193,6 +195,16 @@ class Recipe(FileModel):
     evaluation: EvaluationSection = Field(default_factory=EvaluationSection)
     gates: GatesSection = Field(default_factory=GatesSection)
     smoke: SmokeSection = Field(default_factory=SmokeSection)
+    device: str = DEFAULT_DEVICE  # sensitivity, quantize and evaluation run here (auto, cpu, cuda, cuda:N)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        """The name's form only: a recipe written for a GPU machine validates anywhere (run checks the machine)."""
+        try:
+            return check_device_name(value)
+        except QuantkitError as exc:
+            raise ValueError(str(exc).removeprefix("device ")) from None  # the key path already says "device"
 
 
 def recipe_from_text(text: str, label: str = "recipe", overrides: list[str] | None = None) -> Recipe:

@@ -62,12 +62,14 @@ class RecipeRun:
 
 
 def preflight(recipe: Recipe) -> None:
-    """Before the first stage: every stage's optional dependencies (extras) are installed, so a missing one fails
-    now, in one line naming the extra and the stage, not after the quantization."""
+    """Before the first stage: every stage's optional dependencies (extras) are installed and the recipe's device
+    exists, so a missing one fails now, in one line naming it, not after the quantization."""
+    from quantkit.device import resolve_device
     from quantkit.extras import require
 
     if recipe.smoke.enabled:
         require("serve", "the recipe's smoke stage (smoke.enabled: true)", otherwise="set smoke.enabled: false")
+    resolve_device(recipe.device)  # `device: cuda` on a machine without one fails now
 
 
 def model_stage(run: RecipeRun) -> tuple[Path, str]:
@@ -140,6 +142,7 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
                 act_order=solver.act_order,
                 mse_clip=solver.mse_clip,
                 calibration_file=calib_path,
+                device=run.recipe.device,
                 show_progress=run.show_progress,
             )
             measurement = measure_sensitivity(run.recipe.model, config, path)
@@ -190,6 +193,7 @@ def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[s
         max_windows=ev.windows,
         reference=reference,
         batch_size=ev.batch_size,
+        device=run.recipe.device,
         show_progress=run.show_progress,
     )
     quant_key = content_key(checkpoint=run.hashes["checkpoint files"], reference=ref_id, **params)
@@ -282,6 +286,7 @@ def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | N
         export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),
         force=True,
+        device=run.recipe.device,
         show_progress=run.show_progress,
     )
 

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from quantkit.data.calibration import CalibrationConfig
+from quantkit.device import DEFAULT_DEVICE
 from quantkit.errors import QuantkitError
 from quantkit.eval.evaluate import DEFAULT_EVAL_WINDOWS
 from quantkit.format.scheme import QuantScheme
@@ -17,6 +18,7 @@ _TEMPLATE = """\
 # Relative paths are relative to the current directory. Exit status: 0 gates pass, 1 a gate fails, 2 bad input.
 
 model: smollm2-135m            # local HF directory, hub id, or alias
+device: @device@               # auto (cuda when there is a GPU, else cpu) | cpu | cuda | cuda:N
 
 calibration:
   dataset: null                # file (.txt/.jsonl/.json/.parquet), directory, HF dataset; null: shipped corpus
@@ -75,6 +77,7 @@ _DEFAULTS = {  # written in the configs that use them
     "seq_len": CalibrationConfig.seq_len,
     "group_size": QuantScheme.group_size,
     "damp": GPTQConfig.damp,
+    "device": DEFAULT_DEVICE,
     "eval_windows": DEFAULT_EVAL_WINDOWS,
 }
 # "@name@" and the spaces after it take the default, left-aligned in the same width (the comments stay aligned)

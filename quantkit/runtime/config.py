@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantkit.device import DEFAULT_DEVICE, resolve_device
 from quantkit.errors import QuantkitError
 
 BACKENDS = ("auto", "torch", "triton")
@@ -24,7 +25,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for the KV cache (all layers, K and V)
     backend: str = "auto"  # "auto": triton on CUDA when available, else torch
     dtype: str = "auto"  # compute / KV dtype; "auto": float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # "auto": cuda when available, else cpu
+    device: str = DEFAULT_DEVICE  # "auto": cuda when available, else cpu (quantkit.device)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False
     seed: int = 0  # seeds the engine's generator for requests without their own seed
@@ -43,6 +44,7 @@ class EngineConfig:
             raise QuantkitError(f"backend={self.backend!r} is invalid; use one of {list(BACKENDS)}")
         if self.dtype not in DTYPES:
             raise QuantkitError(f"dtype={self.dtype!r} is invalid; use one of {list(DTYPES)}")
+        resolve_device(self.device)  # an unknown or unavailable device fails before the model is loaded
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
             raise QuantkitError("give num_kv_blocks or kv_cache_memory, not both")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

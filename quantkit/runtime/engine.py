@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from quantkit.device import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config
 from quantkit.model.resolve import resolve_model
@@ -387,9 +388,9 @@ class Engine:
 
 
 def _device_and_dtype(cfg: EngineConfig) -> tuple[torch.device, torch.dtype]:
-    """``auto``: CUDA when available, else CPU; bfloat16 on CUDA, float32 on CPU (fp32 matmuls are fastest there)."""
-    auto_device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(auto_device if cfg.device == "auto" else cfg.device)
+    """The device by :func:`quantkit.device.resolve_device` (``auto``: CUDA when available, else CPU); dtype
+    ``auto``: bfloat16 on CUDA, float32 on CPU (fp32 matmuls are fastest there)."""
+    device = resolve_device(cfg.device)
     dtype = _DTYPES.get(cfg.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return device, dtype
 

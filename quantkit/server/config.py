@@ -30,6 +30,7 @@ class ServeConfig:
     speculative: str | None = EngineConfig.speculative
     num_speculative_tokens: int = EngineConfig.num_speculative_tokens
     draft_model: str | None = EngineConfig.draft_model
+    device: str = EngineConfig.device
 
     def __post_init__(self) -> None:
         if not _is_int(self.port) or not 0 <= self.port < 65536:
@@ -61,6 +62,7 @@ class ServeConfig:
             speculative=self.speculative,
             num_speculative_tokens=self.num_speculative_tokens,
             draft_model=self.draft_model,
+            device=self.device,
         )
 
 

@@ -43,6 +43,22 @@ def test_upper_triangle_gram_equals_full_product_and_is_symmetric(k: int) -> Non
     assert torch.equal(h.hessian(), h.hessian().T)
 
 
+@pytest.mark.parametrize(("k", "dtype"), [(100, torch.float32), (577, torch.float32), (600, torch.float64)])
+def test_taking_the_hessian_in_place_gives_the_same_bits(k: int, dtype: torch.dtype) -> None:
+    x = _inputs(rows=200, k=k, seed=k)
+    stat = HessianStat.zeros(k, dtype)
+    stat.update(x[:70])
+    stat.update(x[70:])
+    expected = stat.hessian()
+    buffer = stat.gram.data_ptr()
+    taken = stat.take_hessian()
+    assert torch.equal(taken, expected) and taken.dtype == torch.float32
+    assert dtype != torch.float32 or taken.data_ptr() == buffer  # made in the sum's own memory
+    assert stat.count == 0
+    with pytest.raises(CalibrationError):
+        stat.take_hessian()
+
+
 def test_act_merge_of_halves_equals_concatenation() -> None:
     x = _inputs()
     whole, first, second = ActStat.zeros(24), ActStat.zeros(24), ActStat.zeros(24)

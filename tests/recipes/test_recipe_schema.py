@@ -466,3 +466,21 @@ def test_defaults_come_from_the_config_classes():
     assert awq.quantization.quant_scheme() == resolve_scheme("awq", act_order=True)
     mixed = recipe_from_text(MIXED.replace("    candidates: [int4-g128, int8]\n", ""))
     assert mixed.quantization.mixed is not None and mixed.quantization.mixed.candidates == list(DEFAULT_CANDIDATES)
+
+
+def test_device_is_checked_for_its_form_only_and_the_run_checks_the_machine(monkeypatch):
+    import torch
+
+    from quantkit.errors import QuantkitError
+    from quantkit.recipes.stages import preflight
+
+    assert recipe_from_text(BASE, "r.yaml").device == "auto"
+    recipe = recipe_from_text(BASE + "device: cuda:1\n", "r.yaml")  # validates on a machine without a GPU
+    assert recipe.device == "cuda:1" and recipe_from_text(dump_recipe(recipe)) == recipe
+    message = _error(BASE + "device: gpu\n")
+    assert message.startswith("r.yaml:14: device") and "use one of auto, cpu, cuda (or cuda:N)" in message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(QuantkitError, match="device 'cuda:1' is not available"):
+        preflight(recipe)
+    message = _error(BASE + "device: cpu\n", ["device=tpu"])
+    assert message == "r.yaml (--set device=tpu): device: 'tpu' is invalid; use one of auto, cpu, cuda (or cuda:N)"

@@ -224,7 +224,7 @@ def awq_scale_search(
     and only a strictly lower error replaces it.
     """
     linears = [_SearchLinear.of(w, scheme) for w, scheme in zip(weights, schemes, strict=True)]
-    ones = torch.ones(linears[0].in_features)
+    ones = torch.ones(linears[0].in_features, device=weights[0].device)
     rtn_error = loss_fn([lin.candidate(ones, scale_dtype) for lin in linears])
     w_mean = weight_mean(weights, schemes) if config.duo_scaling else None
     best = ScaleSearchResult(scales=ones, ratio=None, rtn_error=rtn_error, error=rtn_error)

@@ -85,7 +85,7 @@ def awq_clip_search(
     gram = torch.bmm(xg.transpose(1, 2), xg)  # [G, L, L]: block-diagonal part of X^T X
     wg = _grouped(w, gl)  # [N, G, L]
     wg_t = wg.transpose(0, 1).contiguous()  # [G, N, L]
-    shrinks = clip_shrinks(config)
+    shrinks = clip_shrinks(config).to(w.device)
     row_chunk = max(1, _CHUNK_ELEMENTS // (len(shrinks) * wg[0].numel()))
     best_err, best_idx, base_err = [], [], []
     for start in range(0, n, row_chunk):

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from quantkit.device import float64_device
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.quantization.solvers.gptq_factor import HessianParking, all_finite, factor_in_place, fill_working
 from quantkit.quantization.solvers.grid import all_group_qparams, compute_qparams, quantize_rtn
 
 _RETRY_MIN_DAMP = 1e-4  # so that a failed damp=0 attempt is retried with some damping
@@ -69,81 +72,59 @@ class _GroupPlan:
 
 
 def hessian_weighted_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor, chunk: int = 256) -> float:
-    """``tr((W - W_hat) H (W - W_hat)^T)`` computed in float64.
+    """``tr((W - W_hat) H (W - W_hat)^T)`` computed in float64 (on the CPU for a device without float64).
 
     ``H`` is converted ``chunk`` columns at a time, so no float64 copy of the whole [K, K] matrix is made.
     """
-    delta = W.detach().double()
-    delta.sub_(W_hat.detach().to(device=delta.device, dtype=torch.float64))
-    total = torch.zeros((), dtype=torch.float64, device=delta.device)
+    where = float64_device(W.device)
+    delta = W.detach().to(device=where, dtype=torch.float64)
+    delta.sub_(W_hat.detach().to(device=where))  # in float64, with no float64 copy of W_hat
+    total = torch.zeros((), dtype=torch.float64, device=where)
     for j0 in range(0, H.shape[1], chunk):
-        h = H[:, j0 : j0 + chunk].detach().to(device=delta.device, dtype=torch.float64)
+        h = H[:, j0 : j0 + chunk].detach().to(device=where, dtype=torch.float64)
         total += ((delta @ h) * delta[:, j0 : j0 + chunk]).sum()
     return float(total)
 
 
-def _validated(W: torch.Tensor, H: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 clones of ``W`` [N, K] and ``H`` [K, K] (the inputs are never modified)."""
+def _check_shapes(W: torch.Tensor, H: torch.Tensor) -> None:
     if W.ndim != 2:
         raise QuantkitError(f"GPTQ expects a 2-D weight [out, in], got shape {tuple(W.shape)}")
     k = W.shape[1]
     if tuple(H.shape) != (k, k):
         raise QuantkitError(f"Hessian shape {tuple(H.shape)} does not match weight in-features {k}")
-    return W.detach().float().clone(), H.detach().to(device=W.device, dtype=torch.float32).clone()
 
 
-def _fix_dead_columns(W: torch.Tensor, H: torch.Tensor) -> None:
-    """Columns never activated (diag H == 0): zero the weight, isolate the column in H with diag 1 (in place)."""
-    dead = H.diagonal() == 0
-    if bool(dead.any()):
-        H[dead, :] = 0
-        H[:, dead] = 0
-        H[dead, dead] = 1
-        W[:, dead] = 0
-
-
-def _inverse_cholesky(H: torch.Tensor) -> torch.Tensor | None:
-    """Upper Cholesky factor of ``H^-1`` (``H`` already damped), or None when it cannot be computed.
-
-    Each [K, K] intermediate is dropped as soon as the next one exists: they set the solver's peak memory.
-    """
-    try:
-        L, info = torch.linalg.cholesky_ex(H)
-        if int(info) != 0 or not bool(torch.isfinite(L).all()):
-            return None
-        inverse = torch.cholesky_inverse(L)
-        del L
-        U, info = torch.linalg.cholesky_ex(inverse, upper=True)
-    except RuntimeError:  # torch.linalg.LinAlgError is a RuntimeError
-        return None
-    if int(info) != 0 or not bool(torch.isfinite(U).all()):
-        return None
-    return U
-
-
-def _factor_with_retries(H: torch.Tensor, config: GPTQConfig) -> tuple[torch.Tensor | None, float]:
+def _factor_with_retries(
+    H: torch.Tensor,
+    perm: torch.Tensor | None,
+    dead: torch.Tensor,
+    config: GPTQConfig,
+    parking: HessianParking | None = None,
+) -> tuple[torch.Tensor | None, float]:
     """``U`` and the relative damp that worked; retries grow damp (from at least ``_RETRY_MIN_DAMP``).
 
-    ``H`` is damped in place (no second [K, K] copy); its diagonal is restored exactly before each retry and at
-    the end, so every attempt factors exactly ``H + damp * mean(diag H) * I``.
+    Every attempt factors exactly ``H' + damp * mean(diag H') * I``, where ``H'`` is ``H`` (float32, never modified)
+    in processing order with dead columns isolated, built afresh in one working buffer (see gptq_factor). With
+    ``parking``, H is parked while an attempt runs (and left parked).
     """
     damp = config.damp
-    if not bool(torch.isfinite(H).all()):  # Cholesky reads one triangle only: check all of H up front
+    buf = fill_working(None, H, perm, dead)
+    if not all_finite(buf):  # Cholesky reads one triangle only: check all of H up front
         return None, damp
-    diagonal = H.diagonal()
-    original = diagonal.clone()
-    mean_diag = float(diagonal.mean())
-    try:
-        for attempt in range(config.damp_retries + 1):
-            if attempt:
-                damp = max(damp * config.damp_growth, _RETRY_MIN_DAMP)
-            diagonal.copy_(original).add_(damp * mean_diag)
-            U = _inverse_cholesky(H)
-            if U is not None:
-                return U, damp
-        return None, damp
-    finally:
-        diagonal.copy_(original)
+    mean_diag = float(buf.diagonal().mean())
+    for attempt in range(config.damp_retries + 1):
+        if attempt:
+            damp = max(damp * config.damp_growth, _RETRY_MIN_DAMP)
+            if parking is not None:
+                parking.unpark()
+            fill_working(buf, H, perm, dead)  # the failed attempt spoiled the buffer
+        if parking is not None:
+            parking.park()
+        buf.diagonal().add_(damp * mean_diag)
+        U = factor_in_place(buf)
+        if U is not None:
+            return U, damp
+    return None, damp
 
 
 def _plan_groups(
@@ -205,7 +186,7 @@ class _ColumnParams:
 
 
 def _gptq_loop(
-    W: torch.Tensor,
+    WT: torch.Tensor,
     U: torch.Tensor,
     diag: torch.Tensor,
     plan: _GroupPlan,
@@ -213,16 +194,18 @@ def _gptq_loop(
     block_size: int,
     scale_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, float]:
-    """Quantize ``W`` (processing order) column by column; returns int8 q and the loss.
+    """Quantize the weight, given as its transpose ``WT`` [K, N] in processing order (updated in place), column by
+    column; returns int8 q [N, K] and the loss.
 
     Works on the transpose, so that every per-column operation reads and writes one contiguous row; the
     arithmetic is :func:`quantize` / :func:`dequantize`'s, on float32 integers (exact) instead of int8.
     """
-    n, k = W.shape
-    WT = W.T.contiguous()
-    qT = torch.empty(k, n, device=W.device)
+    k, n = WT.shape
+    qT = torch.empty(k, n, dtype=torch.int8, device=WT.device)  # each column's codes, stored as computed
+    q = torch.empty(n, device=WT.device)  # the current column's codes, as float32 integers
     params = _ColumnParams(plan)
-    loss = torch.zeros((), dtype=torch.float64, device=W.device)
+    where = float64_device(WT.device)  # the loss is summed in float64: on the CPU where the device has none
+    loss = torch.zeros((), dtype=torch.float64, device=where)
     for i1 in range(0, k, block_size):
         i2 = min(i1 + block_size, k)
         W1T = WT[i1:i2].clone()
@@ -237,7 +220,7 @@ def _gptq_loop(
                 plan.set_params(g, *compute_qparams(cols, scheme, scale_dtype=scale_dtype, col_weight=diag[j:end]))
                 params.refresh(g)
             scale, zero = params(j)
-            w, q, err = W1T[i], qT[j], Err1T[i]
+            w, err = W1T[i], Err1T[i]
             torch.div(w, scale, out=q).round_()
             if zero is None:
                 q.clamp_(scheme.qmin, scheme.qmax)
@@ -245,11 +228,12 @@ def _gptq_loop(
             else:
                 q.add_(zero).clamp_(scheme.qmin, scheme.qmax)
                 torch.sub(q, zero, out=err).mul_(scale)
+            qT[j].copy_(q)  # exact: integers in [qmin, qmax]
             torch.sub(w, err, out=err).div_(U1[i, i])
             W1T[i:].addr_(U1[i, i:], err, alpha=-1.0)
-        loss += Err1T.double().square().sum()
+        loss += Err1T.to(device=where, dtype=torch.float64).square().sum()
         WT[i2:].addmm_(U[i1:i2, i2:].T, Err1T, alpha=-1.0)
-    return qT.T.to(torch.int8), float(loss)
+    return qT.T, float(loss)
 
 
 def _rtn_fallback(
@@ -262,7 +246,7 @@ def _rtn_fallback(
         stacklevel=3,
     )
     weight = quantize_rtn(W, scheme, scale_dtype=scale_dtype)
-    loss = hessian_weighted_error(W, weight.dequantize(), H) if bool(torch.isfinite(H).all()) else float("nan")
+    loss = hessian_weighted_error(W, weight.dequantize(), H) if all_finite(H) else float("nan")
     return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=True)
 
 
@@ -274,28 +258,44 @@ def gptq_solve(
     *,
     scale_dtype: torch.dtype = torch.bfloat16,
     name: str = "",
+    overwrite: bool = False,
+    hessian_scratch: Path | None = None,
 ) -> GPTQResult:
-    """Quantize ``W`` [N, K] with GPTQ under Hessian ``H`` [K, K] (``2 X^T X / n``); inputs are not modified.
+    """Quantize ``W`` [N, K] with GPTQ under Hessian ``H`` [K, K] (``2 X^T X / n``); inputs are not modified,
+    except ``W`` with ``overwrite`` (a float32 copy the caller made for the call and keeps no reference to: it is
+    worked on in place and freed early).
 
     Scales are rounded to ``scale_dtype`` before use, so the returned weight dequantizes exactly to what the
     solver compensated for. ``name`` only labels the warning when the layer falls back to round-to-nearest.
+    ``hessian_scratch``: a file H is parked in while the solver holds its factor (CPU; H is back, unchanged, when
+    the call returns), so that one [K, K] matrix is in memory at a time instead of two.
     """
     config = config or GPTQConfig()
-    W_in, H_in = W, H
-    W, H = _validated(W, H)
-    _fix_dead_columns(W, H)
-    diag = H.diagonal().clone()
-    k = W.shape[1]
-    perm = torch.argsort(diag, descending=True, stable=True) if scheme.act_order else torch.arange(k, device=W.device)
-    if scheme.act_order:
-        H = H[perm][:, perm]
-    U, damp = _factor_with_retries(H, config)
-    del H  # only U is needed from here on
-    if U is None:
-        return _rtn_fallback(W_in.detach().float(), H_in.detach().float(), scheme, scale_dtype, damp, name)
-    plan = _plan_groups(W, diag, perm, scheme, scale_dtype)
-    W_sorted = W[:, perm].contiguous() if scheme.act_order else W
-    qint, loss = _gptq_loop(W_sorted, U, diag[perm], plan, scheme, config.block_size, scale_dtype)
-    qweight = qint[:, torch.argsort(perm)].contiguous() if scheme.act_order else qint
+    _check_shapes(W, H)
+    H = H.detach().to(device=W.device, dtype=torch.float32)  # read, never written
+    parking = HessianParking(H, hessian_scratch)
+    try:
+        diag = H.diagonal().clone()
+        dead = diag == 0  # columns never activated: zero weight, isolated in H (diagonal 1)
+        diag[dead] = 1
+        k = W.shape[1]
+        act_order = scheme.act_order
+        perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k, device=W.device)
+        order = perm if act_order else None
+        U, damp = _factor_with_retries(H, order, dead if order is None else dead[order], config, parking)
+        if U is None:
+            parking.unpark()
+            return _rtn_fallback(W.detach().float(), H.detach().float(), scheme, scale_dtype, damp, name)
+        W = W.detach().float() if overwrite else W.detach().float().clone()
+        if bool(dead.any()):
+            W[:, dead] = 0
+        plan = _plan_groups(W, diag, perm, scheme, scale_dtype)
+        WT = (W.T[perm] if act_order else W.T).contiguous()  # processing order, one column per row
+        del W
+        qint, loss = _gptq_loop(WT, U, diag[perm], plan, scheme, config.block_size, scale_dtype)
+        del U, WT
+    finally:
+        parking.unpark()
+    qweight = qint[:, torch.argsort(perm)].contiguous() if act_order else qint
     weight = QuantizedWeight(qweight=qweight, scale=plan.scale, zero=plan.zero, g_idx=plan.g_idx, scheme=scheme)
     return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=False)

@@ -212,7 +212,7 @@ def _evaluate(
         target = params[f"{name}.weight"]
         params[f"{name}.weight"] = weight.dequantize(torch.float32).to(target.device)
     losses = torch.empty(inputs.shape[0], dtype=torch.float64)
-    outputs = torch.empty(inputs.shape, dtype=inputs.dtype) if keep_outputs else None
+    outputs = torch.empty(inputs.shape, dtype=inputs.dtype, device=inputs.device) if keep_outputs else None
     with torch.no_grad():
         for start in range(0, inputs.shape[0], runner.batch_size):
             stop = start + runner.batch_size
@@ -227,7 +227,7 @@ def _evaluate(
 def _output_losses(out: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """float64 [B] (on the CPU): each window's mean squared error of ``out`` (as stored) against ``targets``."""
     err = (out.float() - targets.to(out.device, torch.float32)).square_()
-    return err.mean(dim=(1, 2)).double().cpu()
+    return err.mean(dim=(1, 2)).cpu().double()  # float64 on the CPU: any device
 
 
 def _stored_losses(outputs: torch.Tensor, targets: torch.Tensor, batch_size: int) -> torch.Tensor:

@@ -142,19 +142,21 @@ def test_small_damping_is_retried() -> None:
     assert result.damp >= 1e-4
 
 
-def test_in_place_damping_factors_exactly_the_damped_hessian_and_restores_it() -> None:
-    """Damping is applied to H's own diagonal (no [K, K] copy): a failed attempt must not leak into the next."""
-    from quantkit.quantization.solvers.gptq import _factor_with_retries, _inverse_cholesky
+def test_each_attempt_factors_exactly_the_damped_hessian_and_h_is_not_modified() -> None:
+    """A failed attempt spoils the working buffer: the retry rebuilds it, so it factors exactly H + damp I."""
+    from quantkit.quantization.solvers.gptq import _factor_with_retries
 
     x, _ = _correlated(n=8, k=32)  # rank 8 < 32: damp 0 fails, the first retry (damp 1e-4) succeeds
     h = _hessian(x).double().float()
     before = h.clone()
-    u, damp = _factor_with_retries(h, GPTQConfig(damp=0.0, damp_retries=2))
+    u, damp = _factor_with_retries(h, None, torch.zeros(32, dtype=torch.bool), GPTQConfig(damp=0.0, damp_retries=2))
     assert u is not None and damp == 1e-4
-    assert torch.equal(h, before)  # the diagonal is restored bit for bit
+    assert torch.equal(h, before)
     fresh = before.clone()
     fresh.diagonal().add_(damp * float(before.diagonal().mean()))
-    assert torch.equal(u, _inverse_cholesky(fresh))
+    lower, _ = torch.linalg.cholesky_ex(fresh)  # the out-of-place chain, for reference
+    upper, _ = torch.linalg.cholesky_ex(torch.cholesky_inverse(lower), upper=True)
+    assert torch.equal(u, upper) and u.stride() == upper.stride()
 
 
 def test_inputs_are_not_mutated() -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import sys
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -78,13 +80,28 @@ def fail(lines: list[str], label: str) -> None:
     raise typer.Exit(1)
 
 
+@contextmanager
+def warnings_as_lines() -> Iterator[None]:
+    """Python warnings raised inside (a short calibration text, a layer that fell back to RTN) as one yellow
+    line each on stderr, instead of a file:line header and source excerpt."""
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        err.print(f"[bold yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def main() -> None:
     """Console entry point: user errors (a missing extra among them) become one red line and exit code 2, Ctrl-C
-    one line saying how far the work got and exit 130; never a traceback."""
+    one line saying how far the work got and exit 130, a warning one yellow line (every command, recipes'
+    stages included); never a traceback."""
     from quantkit.extras import missing_extra_error
 
     try:
-        app()
+        with warnings_as_lines():
+            app()
     except QuantkitError as exc:
         err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
         sys.exit(EXIT_INPUT_ERROR)

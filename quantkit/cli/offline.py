@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from quantkit.cli.app import DeviceOption, JsonOption, ModelOption, app, err, out, write_json_option
@@ -35,19 +31,6 @@ AllowSmallCalibration = Annotated[
         help=f"Use a text that covers under {MIN_TEXT_COVERAGE:.0%} of the requested tokens (windows overlap).",
     ),
 ]
-
-
-@contextmanager
-def warnings_as_lines() -> Iterator[None]:
-    """Python warnings raised inside (a short calibration text, a layer that fell back to RTN) as one yellow
-    line each on stderr, instead of a file:line header and source excerpt."""
-
-    def show(message, category, filename, lineno, file=None, line=None) -> None:
-        err.print(f"[bold yellow]warning:[/] {escape(str(message))}", soft_wrap=True)
-
-    with warnings.catch_warnings():
-        warnings.showwarning = show
-        yield
 
 
 @app.command()
@@ -87,8 +70,7 @@ def calibrate(
         text_column=text_column,
         allow_small=allow_small_calibration,
     )
-    with warnings_as_lines():
-        result = build_calibration(model, config, output=output)
+    result = build_calibration(model, config, output=output)
     table = Table(title="Calibration", title_justify="left")
     table.add_column("field", overflow="fold")
     table.add_column("value", overflow="fold")
@@ -259,8 +241,7 @@ def quantize(
         err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
     if calib is not None and dataset is not None:
         err.print(f"note: --calib '{calib}' holds the windows; --dataset is not used")
-    with warnings_as_lines():
-        result = quantize_model(model, config, output)
+    result = quantize_model(model, config, output)
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
     table = Table(title=f"Quantized {model} -> {output} (on {result.device})", title_justify="left")

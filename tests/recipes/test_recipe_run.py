@@ -165,3 +165,20 @@ def test_secret_named_variables_are_redacted_from_reports(tiny_model_dir, text_c
         written = (tmp_path / "report" / name).read_text()
         assert "sk-live-0123456789" not in written and "ckpt-<redacted ${RUN_API_KEY}>" in written
     assert _report(tmp_path)["figures"]["perplexity"] > 0
+
+
+def test_a_warning_in_a_stage_is_one_line(tiny_model_dir, text_corpus, tmp_path, capsys):
+    """A forced small calibration text warns inside the recipe's quantize stage: one yellow line, no source excerpt."""
+    small = tmp_path / "small.txt"
+    small.write_text("It is a truth universally acknowledged that a single man must be in want of a wife. " * 6)
+    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus, method="gptq")
+    recipe.write_text(
+        recipe.read_text().replace(
+            f"dataset: {text_corpus}, num_samples", f"dataset: {small}, allow_small: true, num_samples"
+        )
+    )
+    code, _, err = _run(recipe, tmp_path, capsys)
+    assert code == 0, err
+    warnings = [line for line in err.splitlines() if "warning:" in line]
+    assert len(warnings) == 1 and "windows overlap" in warnings[0], err
+    assert "warnings.warn" not in err and ".py:" not in err

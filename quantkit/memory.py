@@ -30,9 +30,11 @@ def _libc_function(name: str):
         return None
 
 
-_M_MMAP_THRESHOLD, _M_ARENA_MAX = -3, -8  # mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # mallopt parameters (glibc malloc.h)
 MMAP_THRESHOLD_BYTES = 8 << 20
 ARENA_MAX = 2
+SERVING_MMAP_THRESHOLD_BYTES = 64 << 20
+SERVING_TRIM_THRESHOLD_BYTES = 256 << 20
 
 
 def map_large_allocations() -> None:
@@ -51,6 +53,24 @@ def map_large_allocations() -> None:
         return
     mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
     mallopt(_M_ARENA_MAX, ARENA_MAX)
+
+
+def keep_freed_memory_for_reuse() -> None:
+    """The serving engine's policy: keep freed allocations below ``SERVING_MMAP_THRESHOLD_BYTES`` in the heap
+    and return its free top to the OS only past ``SERVING_TRIM_THRESHOLD_BYTES`` (``mallopt``; a no-op elsewhere).
+
+    Every decode step allocates and frees the same few-MB temporaries thirty times (gathered KV pages, MLP
+    activations, logits); with glibc's defaults the heap's free top is trimmed and faulted back in over and over.
+    On SmolLM2's 32-request bench (2-core CPU, medians of 3 alternated runs) this raised output tokens/s from
+    136.9 to 145.5 with the float cache and from 128.5 to 135.2 with the int8 cache, for ~170 MB more peak RSS
+    (1.49 -> 1.67 GB): the freed temporaries stay resident for the next step.
+    Quantization sets its own policy (:func:`map_large_allocations`), so the two never mix within a command.
+    """
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
+        return
+    mallopt(_M_MMAP_THRESHOLD, SERVING_MMAP_THRESHOLD_BYTES)
+    mallopt(_M_TRIM_THRESHOLD, SERVING_TRIM_THRESHOLD_BYTES)
 
 
 def release_freed_memory() -> None:

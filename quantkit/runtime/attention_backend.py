@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels.backend import triton_available
-from quantkit.runtime.kv_cache import gather_pages, kv_rotation, rotate, write_rows
+from quantkit.runtime.kv_cache import gather_pages, kv_rotation, rotate, write_key_value_rows
 
 
 @dataclass(slots=True)
@@ -59,8 +59,7 @@ class AttentionBackend(ABC):
         v_scale: torch.Tensor | None = None,
     ) -> None:
         if k_scale is not None and v_scale is not None:  # 8-bit cache: quantize each (token, head) row
-            write_rows(k, k_cache, k_scale, meta.slot_mapping)
-            write_rows(v, v_cache, v_scale, meta.slot_mapping)
+            write_key_value_rows(k, v, (k_cache, v_cache), (k_scale, v_scale), meta.slot_mapping)
             return
         heads, dim = k_cache.shape[2], k_cache.shape[3]
         k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))

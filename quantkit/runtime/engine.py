@@ -25,6 +25,7 @@ import torch
 from quantkit.device import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config
+from quantkit.memory import keep_freed_memory_for_reuse
 from quantkit.model.resolve import resolve_model
 from quantkit.runtime.attention_backend import select_backend
 from quantkit.runtime.block_manager import BlockManager
@@ -89,6 +90,7 @@ class Engine:
             raise QuantkitError("pass an EngineConfig or keyword options, not both")
         self.config = cfg = config or EngineConfig(**kwargs)
         self.path = resolve_model(model)
+        keep_freed_memory_for_reuse()  # the decode loop reuses the same temporaries (quantkit/memory.py)
         device, dtype = _device_and_dtype(cfg)
         backend = select_backend(cfg.backend, device)
         model_cfg = ModelConfig.from_hf(read_checkpoint_config(self.path))

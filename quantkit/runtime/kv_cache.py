@@ -50,6 +50,7 @@ QUANT_FORMATS: dict[str, tuple[torch.dtype, float]] = {
 _MIN_SCALE = 2.0**-14  # smallest normal float16: keeps the scale's float16 rounding relative
 _MAX_SCALE = 60000.0  # below float16's max once multiplied by _SCALE_ROUND_UP
 _SCALE_ROUND_UP = 1.0 + 2.0**-10  # >= one float16 ulp (relative) above: the rounded scale is never below absmax/qmax
+_HALF = torch.tensor(0.5)
 KV_ROTATION_SEED = 0  # any fixed seed: every write and read of a cache only needs the same rotation
 
 
@@ -92,11 +93,11 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     qmax = qmax_of(dtype)
     xf = x.float()
     absmax = xf.abs().amax(dim=-1)
-    scale = ((absmax / qmax).clamp(_MIN_SCALE, _MAX_SCALE) * _SCALE_ROUND_UP).to(SCALE_DTYPE)
+    scale = absmax.div_(qmax).clamp_(_MIN_SCALE, _MAX_SCALE).mul_(_SCALE_ROUND_UP).to(SCALE_DTYPE)
     q = xf / scale.float().unsqueeze(-1)
-    if dtype == torch.int8:
-        q = torch.where(q >= 0, torch.floor(q + 0.5), torch.ceil(q - 0.5))  # half away from zero (as in-kernel)
-    return q.clamp(-qmax, qmax).to(dtype), scale
+    if dtype == torch.int8:  # round half away from zero (as in-kernel): the int8 cast truncates q + sign(q) / 2
+        q += torch.copysign(_HALF, q)
+    return q.clamp_(-qmax, qmax).to(dtype), scale
 
 
 def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -127,10 +128,29 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def write_rows(x: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize ``x [T, Hkv, D]`` and store it (and its scales) at flat slots of ``cache [N, bs, Hkv, D]`` /
     ``scales [N, bs, Hkv]``. Every slot must be valid (no -1 padding: the runner never produces it)."""
+    _store(*quantize_rows(x, cache.dtype), cache, scales, slot_mapping)
+
+
+def write_key_value_rows(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    caches: tuple[torch.Tensor, torch.Tensor],
+    scales: tuple[torch.Tensor, torch.Tensor],
+    slot_mapping: torch.Tensor,
+) -> None:
+    """:func:`write_rows` of ``k`` and ``v`` at the same slots, quantized together: one set of small ops a
+    layer instead of two (at decode, where each op touches a few rows, that halved the write's time)."""
+    q, s = quantize_rows(torch.stack((k, v)), caches[0].dtype)
+    for i in range(2):
+        _store(q[i], s[i], caches[i], scales[i], slot_mapping)
+
+
+def _store(
+    values: torch.Tensor, row_scales: torch.Tensor, cache: torch.Tensor, scales: torch.Tensor, slots: torch.Tensor
+) -> None:
     heads, dim = cache.shape[2], cache.shape[3]
-    q, s = quantize_rows(x, cache.dtype)
-    _bytes(cache).view(-1, heads, dim).index_copy_(0, slot_mapping, _bytes(q))
-    scales.view(-1, heads).index_copy_(0, slot_mapping, s)
+    _bytes(cache).view(-1, heads, dim).index_copy_(0, slots, _bytes(values))
+    scales.view(-1, heads).index_copy_(0, slots, row_scales)
 
 
 def gather_pages(

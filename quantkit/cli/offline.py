@@ -187,6 +187,15 @@ def quantize(
     tune_steps: Annotated[
         int, typer.Option(help="Block-output tuning of rounding and scales after the solver: steps per block (0: off).")
     ] = 0,
+    tune_lr: Annotated[
+        float, typer.Option(help="Tuning: Adam learning rate of the rounding offsets (decays linearly to 0).")
+    ] = TuneConfig.lr,
+    tune_scale_lr: Annotated[
+        float, typer.Option(help="Tuning: Adam learning rate of the group-scale multipliers.")
+    ] = TuneConfig.scale_lr,
+    tune_batch_windows: Annotated[
+        int, typer.Option(help="Tuning: calibration windows per step.")
+    ] = TuneConfig.batch_windows,
     layout_policy: Annotated[str, typer.Option(help=LAYOUT_POLICY_HELP)] = QuantizeConfig.layout_policy,
     formats: Annotated[
         list[str] | None,
@@ -218,7 +227,7 @@ def quantize(
         calibration_file=calib,
         ignore=list(ignore or []),
         rotation=RotationConfig(kind=rotate, seed=rotate_seed),  # type: ignore[arg-type]
-        tune=TuneConfig(steps=tune_steps),
+        tune=TuneConfig(steps=tune_steps, lr=tune_lr, scale_lr=tune_scale_lr, batch_windows=tune_batch_windows),
         layout_policy=layout_policy,
         resume=resume,
         force=force,

@@ -28,6 +28,7 @@ from quantkit.mixed.sensitivity import SensitivityConfig
 from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
 from quantkit.quantization.methods import METHODS, resolve_scheme
 from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.recipes.overrides import RecipeError, apply_overrides, env_substitution
 from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
 from quantkit.schemas.fields import FileModel, Regex, one_of
@@ -115,6 +116,9 @@ class QuantizationSection(FileModel):
     rotate: RotationKind = RotationConfig().kind  # a rotation folded into the weights before solving
     rotate_seed: int = RotationConfig().seed
     tune_steps: int = Field(0, ge=0)  # block-output tuning steps per block (0: off)
+    tune_lr: float = Field(TuneConfig.lr, gt=0)  # tuning: learning rate of the rounding offsets
+    tune_scale_lr: float = Field(TuneConfig.scale_lr, gt=0)  # tuning: learning rate of the scale multipliers
+    tune_batch_windows: int = Field(TuneConfig.batch_windows, ge=1)  # tuning: calibration windows per step
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme

@@ -66,11 +66,20 @@ def test_round_to_nearest_with_tuning_draws_calibration(tiny_model_dir, tiny_cal
     assert len(_tune_records(tmp_path / "rtn-tuned")) == 2
 
 
-def test_cli_refuses_negative_tuning_steps(tiny_model_dir, tiny_calib_file, tmp_path, capsys):
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--tune-steps", "-1", "--tune-steps must be >= 0"),
+        ("--tune-lr", "0", "--tune-lr must be positive"),
+        ("--tune-scale-lr", "-0.1", "--tune-scale-lr must be positive"),
+        ("--tune-batch-windows", "0", "--tune-batch-windows must be >= 1"),
+    ],
+)
+def test_cli_refuses_bad_tuning_options(tiny_model_dir, tiny_calib_file, tmp_path, capsys, flag, value, message):
     out = tmp_path / "out"
-    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(tiny_calib_file), "--tune-steps", "-1"]
+    args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(tiny_calib_file), flag, value]
     code, _, err = run_cli(args, capsys)
-    assert code == 2 and "--tune-steps must be >= 0" in " ".join(err.split())
+    assert code == 2 and message in " ".join(err.split())
     assert not out.exists() and not (tmp_path / "out.partial").exists()
 
 

@@ -311,6 +311,15 @@ RULES = [
     _case(FULL, "  damp: 0.01", "  damp: 1", "quantization.damp", "expected a value < 1, got 1", "damp"),
     _case(
         FULL,
+        "  damp: 0.01",
+        "  damp: 0.01\n  tune_lr: 0",
+        "quantization.tune_lr",
+        "expected a value > 0, got 0",
+        "tune-lr",
+        1,
+    ),
+    _case(
+        FULL,
         "    group_size: 64",
         "    group_size: 0",
         "quantization.scheme.group_size",

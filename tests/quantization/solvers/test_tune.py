@@ -15,7 +15,15 @@ from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.quantization.solvers import tune
-from quantkit.quantization.solvers.tune import SCALE_RANGE, TuneConfig, TuneResult, tune_block, window_losses
+from quantkit.quantization.solvers.tune import (
+    OFFSET_LR,
+    SCALE_LR,
+    SCALE_RANGE,
+    TuneConfig,
+    TuneResult,
+    tune_block,
+    window_losses,
+)
 
 LINEARS = arch_for_model_type("llama").linears  # down_proj's in-features 160: with groups of 64 the last is shorter
 SEQ = 32
@@ -262,8 +270,6 @@ def test_invalid_config(kwargs: dict[str, object], flag: str) -> None:
         TuneConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def test_default_learning_rates() -> None:
-    assert TuneConfig(steps=40).learning_rate == pytest.approx(2 / 40)
-    assert TuneConfig(steps=40).scale_learning_rate == pytest.approx(1 / 40)
-    assert TuneConfig(steps=40, lr=0.3, scale_lr=0.2).learning_rate == 0.3
-    assert TuneConfig(steps=40, lr=0.3, scale_lr=0.2).scale_learning_rate == 0.2
+def test_default_learning_rates_do_not_shrink_with_the_step_count() -> None:
+    assert TuneConfig(steps=40).lr == TuneConfig(steps=400).lr == OFFSET_LR
+    assert TuneConfig(steps=40).scale_lr == TuneConfig(steps=400).scale_lr == SCALE_LR

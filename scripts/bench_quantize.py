@@ -38,6 +38,7 @@ class Case:
     mse_clip: bool = False
     rotate: bool = False
     tune_steps: int = 0
+    refit_head: bool = False
     dataset: str | None = None  # calibration text (None: the default, Austen prose)
 
     @property
@@ -54,6 +55,7 @@ class Case:
             + solver
             + ("-rot" if self.rotate else "")
             + (f"-tune{self.tune_steps}" if self.tune_steps else "")
+            + ("-refit" if self.refit_head else "")
             + (f" [{Path(self.dataset).stem}]" if self.dataset else "")
         )
 
@@ -64,6 +66,7 @@ class Case:
         out += ["--act-order", "--static-groups"] if self.act_order else ["--no-act-order"]
         out.append("--mse-clip" if self.mse_clip else "--no-mse-clip")
         out += ["--rotate", "hadamard" if self.rotate else "none", "--tune-steps", str(self.tune_steps)]
+        out.append("--refit-head" if self.refit_head else "--no-refit-head")
         return out
 
 
@@ -82,13 +85,15 @@ def matrix(methods: list[str]) -> list[Case]:
 
 
 def frontier(tune_steps: int) -> list[Case]:
-    """The deployable low-bit schemes: round-to-nearest, then GPTQ's default with and without rotation and tuning."""
+    """The deployable low-bit schemes: round-to-nearest, then GPTQ's default with and without rotation and tuning,
+    and rotated and tuned with the head refitted."""
     cases = []
     for bits, group in ((4, 64), (4, -1), (3, 64), (3, 32)):
         cases.append(Case("rtn", bits, group, True))
         for rotate in (False, True):
             for steps in (0, tune_steps):
                 cases.append(Case("gptq", bits, group, True, True, True, rotate=rotate, tune_steps=steps))
+        cases.append(Case("gptq", bits, group, True, True, True, rotate=True, tune_steps=tune_steps, refit_head=True))
     return cases
 
 

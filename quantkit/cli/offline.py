@@ -196,6 +196,10 @@ def quantize(
     tune_batch_windows: Annotated[
         int, typer.Option(help="Tuning: calibration windows per step.")
     ] = TuneConfig.batch_windows,
+    refit_head: Annotated[
+        bool,
+        typer.Option(help="Refit the float head to the quantized body (needs an untied head, or --rotate)."),
+    ] = QuantizeConfig.refit_head,
     layout_policy: Annotated[str, typer.Option(help=LAYOUT_POLICY_HELP)] = QuantizeConfig.layout_policy,
     formats: Annotated[
         list[str] | None,
@@ -228,6 +232,7 @@ def quantize(
         ignore=list(ignore or []),
         rotation=RotationConfig(kind=rotate, seed=rotate_seed),  # type: ignore[arg-type]
         tune=TuneConfig(steps=tune_steps, lr=tune_lr, scale_lr=tune_scale_lr, batch_windows=tune_batch_windows),
+        refit_head=refit_head,
         layout_policy=layout_policy,
         resume=resume,
         force=force,

@@ -133,6 +133,14 @@ def shard_digest(path: Path) -> str:
     return digest.hexdigest()
 
 
+def head_is_tied(path: Path, head_name: str, weights: SourceWeights) -> bool:
+    """The model's head is its embedding: the config ties them, or the files hold no head of its own."""
+    from transformers import AutoConfig
+
+    tied = bool(getattr(AutoConfig.from_pretrained(str(path)), "tie_word_embeddings", False))
+    return tied or head_name not in weights
+
+
 def build_skeleton(path: Path) -> nn.Module:
     """The model built from config.json on the meta device: no memory for weights until loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM

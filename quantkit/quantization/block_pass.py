@@ -28,4 +28,5 @@ class BlockPass:
     runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
     spill: SpillFile | None = None  # scratch file for activations (see StagedBlock)
     tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)
+    keep_reference: bool = False  # carry the float model's activations (tuning's targets, the head's refit)
     hessian_scratch: Path | None = None  # a file the solver parks a stage's Hessian in while it holds the factor

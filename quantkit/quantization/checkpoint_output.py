@@ -17,6 +17,7 @@ from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
 from quantkit.model.source_weights import config_json
+from quantkit.quantization.head_refit import refitted_head
 from quantkit.quantization.job import QuantizeJob
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.workdir import WorkDir
@@ -52,6 +53,8 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
     model_config.pop("quantization_config", None)
     layer_prefix = job.arch.layers_path + "."
     outer = work.load_outer()  # rotated: the embedding, final norm and an untied head
+    if job.config.refit_head:
+        outer |= refitted_head(job, work, outer)
     if outer:
         model_config["tie_word_embeddings"] = False
     writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
@@ -80,6 +83,8 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
         "fingerprints": work.state["fingerprints"],
         "layers": [record.to_dict() for record in work.records],
     }
+    if job.config.refit_head:
+        log["refit_head"] = True
     if job.rotation is not None:
         log["rotation"] = job.rotation.log() | {"untied_head": job.rotation.head_name if job.rotation.tied else None}
     if job.device.type != "cpu":  # CPU runs keep the log they always had

@@ -44,6 +44,7 @@ class QuantizeConfig:
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
     rotation: RotationConfig = field(default_factory=RotationConfig)  # folded into the weights before solving
     tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)
+    refit_head: bool = False  # refit the float head to the quantized body (quantkit.quantization.head_refit)
     ignore: list[str] = field(default_factory=list)  # regexes (re.search) of linears kept in float
     planned: dict[str, QuantScheme | None] | None = None
     layout_policy: str = STRICT  # layouts engines would refuse: see quantkit.format.engines.LAYOUT_POLICIES
@@ -90,7 +91,13 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return needs_calibration(self.solvers) or self.tuning
+        return needs_calibration(self.solvers) or self.tuning or self.refit_head
+
+    @property
+    def keeps_reference(self) -> bool:
+        """The run carries the float model's activations beside the quantized ones (tuning's targets, the head's
+        refit)."""
+        return self.tuning or self.refit_head
 
     def resolved_scheme(self) -> QuantScheme:
         return self.scheme if self.scheme is not None else resolve_scheme(self.method)

@@ -16,7 +16,8 @@ _SPILL_BYTES = 4  # the spilled MLP inputs are float32; hidden states are stored
 
 def expected_bytes(job: QuantizeJob) -> dict[str, int]:
     """About how much the run writes: the checkpoint, and the work directory (finished blocks, the next block's
-    input twice while it is replaced, the spilled MLP inputs)."""
+    input twice while it is replaced, with tuning or a head refit the float model's too, the spilled MLP
+    inputs)."""
     scale_bits = job.storage.itemsize * 8
     quantized = {f"{name}.weight": s for name, s in job.assignment.schemes.items() if s is not None}
     linear_bits = 0
@@ -31,7 +32,8 @@ def expected_bytes(job: QuantizeJob) -> dict[str, int]:
     if job.calibration is not None:
         config = config_json(job.source)
         tokens = job.calibration.input_ids.numel()
-        hidden = 2 * int(config["hidden_size"]) * job.storage.itemsize  # the current input and the next one
+        streams = 2 if job.config.keeps_reference else 1  # the float model's activations beside the quantized
+        hidden = 2 * streams * int(config["hidden_size"]) * job.storage.itemsize  # the current input and the next
         work += tokens * (hidden + int(config["intermediate_size"]) * _SPILL_BYTES)
     return {"checkpoint": checkpoint, "work directory": work}
 

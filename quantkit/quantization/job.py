@@ -84,4 +84,6 @@ def _solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> 
         spec["rotation"] = config.rotation.name
     if config.tuning:
         spec["tune"] = asdict(config.tune)
+    if config.refit_head:
+        spec["refit_head"] = True
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -24,13 +24,14 @@ from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
 from quantkit.memory import map_large_allocations, peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
-from quantkit.model.source_weights import SourceWeights, build_skeleton
+from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is_tied
 from quantkit.progress import Interrupted
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
 from quantkit.quantization.block_pass import BlockPass
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.disk_space import check_free_space
+from quantkit.quantization.head_refit import check_refittable
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
 from quantkit.quantization.methods import SolverConfig
@@ -159,6 +160,8 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
     release_freed_memory()  # tokenization's temporaries
     num_layers = num_layers_of(source)
     rotation = job_rotation(config.rotation, source, arch, weights)
+    if config.refit_head and rotation is None:
+        check_refittable(model, head_is_tied(source, f"{arch.lm_head_path}.weight", weights))
     return QuantizeJob(
         model=model,
         config=config,
@@ -180,7 +183,9 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU."""
     skeleton = build_skeleton(job.source)
     tune = job.config.tune if job.config.tuning else None
-    run = BlockPass(arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune)
+    run = BlockPass(
+        arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune, keep_reference=job.config.refit_head
+    )
     device = job.device
     hidden: torch.Tensor | None = None
     reference: torch.Tensor | None = None
@@ -196,7 +201,7 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage).to(device)
         else:
             hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage).to(device)
-        if tune is not None:  # the float model's activations, the targets of tuning (see quantize_block)
+        if job.config.keeps_reference:  # the float model's activations: tuning's targets (see quantize_block)
             reference = work.load_reference(device) if work.finished > 0 else hidden.clone()
     visits = walk_blocks(
         skeleton,

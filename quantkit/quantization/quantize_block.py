@@ -57,10 +57,11 @@ def quantize_block(
     solver = weight_solver(last)
     out = QuantizedBlock({}, None)
     tuning = run.tune is not None and run.tune.steps > 0
-    if tuning:  # the float model's output is what tuning reproduces; the solve overwrites ``hidden``
-        inputs = hidden.clone()
+    if tuning or run.keep_reference:  # the float model's output is what tuning reproduces
         targets = run.runner.run(block, hidden if reference is None else reference)
         out.reference_output = targets
+    if tuning:  # the solve overwrites ``hidden``
+        inputs = hidden.clone()
     for config, transform in transforms:
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)

@@ -18,7 +18,7 @@ from torch.nn import functional
 
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import get_module
-from quantkit.model.source_weights import SourceWeights, build_skeleton, load_module, release_module
+from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is_tied, load_module, release_module
 from quantkit.rotation.config import RotationConfig, Rotations, rotations_for
 from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
 from quantkit.rotation.norms import check_rmsnorm
@@ -81,5 +81,4 @@ def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: 
     load_module(block, first, weights)
     check_foldable(block, arch)
     release_module(block)
-    tied = bool(getattr(skeleton.config, "tie_word_embeddings", False))
-    return JobRotation(config, matrices, arch, tied=tied or f"{arch.lm_head_path}.weight" not in weights)
+    return JobRotation(config, matrices, arch, tied=head_is_tied(source, f"{arch.lm_head_path}.weight", weights))

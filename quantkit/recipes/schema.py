@@ -119,6 +119,7 @@ class QuantizationSection(FileModel):
     tune_lr: float = Field(TuneConfig.lr, gt=0)  # tuning: learning rate of the rounding offsets
     tune_scale_lr: float = Field(TuneConfig.scale_lr, gt=0)  # tuning: learning rate of the scale multipliers
     tune_batch_windows: int = Field(TuneConfig.batch_windows, ge=1)  # tuning: calibration windows per step
+    refit_head: bool = QuantizeConfig.refit_head  # refit the float head to the quantized body
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme

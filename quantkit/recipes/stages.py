@@ -282,6 +282,7 @@ def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | N
         ignore=list(q.ignore),
         rotation=q.rotation(),
         tune=TuneConfig(steps=q.tune_steps, lr=q.tune_lr, scale_lr=q.tune_scale_lr, batch_windows=q.tune_batch_windows),
+        refit_head=q.refit_head,
         layout_policy=q.layout_policy,
         export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),

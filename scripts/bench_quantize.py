@@ -8,11 +8,13 @@ original model's perplexity as the baseline row and each RTN row's gap closed by
     python scripts/bench_quantize.py --only w4-g64-sym --methods rtn,gptq --eval-windows 20
     python scripts/bench_quantize.py --matrix frontier --samples 40    # W4/W3 schemes with rotation and tuning
     python scripts/bench_quantize.py --matrix calibration              # W4 g64 calibrated on three texts
+    python scripts/bench_quantize.py --matrix calibration --float-targets   # the same with the best W4 method
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import subprocess
 import sys
@@ -39,7 +41,9 @@ class Case:
     rotate: bool = False
     tune_steps: int = 0
     refit_head: bool = False
+    float_targets: bool = False
     dataset: str | None = None  # calibration text (None: the default, Austen prose)
+    samples: int | None = None  # calibration windows (None: the run's --samples)
 
     @property
     def storage(self) -> str:
@@ -50,12 +54,14 @@ class Case:
     @property
     def scheme(self) -> str:
         solver = ("-actorder" if self.act_order else "") + ("-mse" if self.mse_clip else "")
+        solver += "-float" if self.float_targets else ""
         return (
             self.storage
             + solver
             + ("-rot" if self.rotate else "")
             + (f"-tune{self.tune_steps}" if self.tune_steps else "")
             + ("-refit" if self.refit_head else "")
+            + (f"-{self.samples}w" if self.samples else "")
             + (f" [{Path(self.dataset).stem}]" if self.dataset else "")
         )
 
@@ -67,6 +73,8 @@ class Case:
         out.append("--mse-clip" if self.mse_clip else "--no-mse-clip")
         out += ["--rotate", "hadamard" if self.rotate else "none", "--tune-steps", str(self.tune_steps)]
         out.append("--refit-head" if self.refit_head else "--no-refit-head")
+        if self.method.endswith("gptq"):
+            out.append("--float-targets" if self.float_targets else "--no-float-targets")
         return out
 
 
@@ -84,16 +92,25 @@ def matrix(methods: list[str]) -> list[Case]:
     return cases
 
 
+# Float targets are a regression on the calibration tokens: they are measured with this many windows.
+FLOAT_TARGET_SAMPLES = 256
+
+
 def frontier(tune_steps: int) -> list[Case]:
     """The deployable low-bit schemes: round-to-nearest, then GPTQ's default with and without rotation and tuning,
-    and rotated and tuned with the head refitted."""
+    rotated and tuned with the head refitted, and rotated with float targets and the head refitted (at the run's
+    windows and at :data:`FLOAT_TARGET_SAMPLES`)."""
     cases = []
     for bits, group in ((4, 64), (4, -1), (3, 64), (3, 32)):
         cases.append(Case("rtn", bits, group, True))
         for rotate in (False, True):
             for steps in (0, tune_steps):
                 cases.append(Case("gptq", bits, group, True, True, True, rotate=rotate, tune_steps=steps))
-        cases.append(Case("gptq", bits, group, True, True, True, rotate=True, tune_steps=tune_steps, refit_head=True))
+        cases.append(Case("gptq", bits, group, True, True, True, True, tune_steps, refit_head=True))
+        for samples in (None, FLOAT_TARGET_SAMPLES):
+            cases.append(
+                Case("gptq", bits, group, True, True, True, True, refit_head=True, float_targets=True, samples=samples)
+            )
     return cases
 
 
@@ -102,17 +119,21 @@ CALIBRATION_TEXTS = ("austen_calibration.jsonl", "austen_chat.jsonl", "melville_
 CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 
 
-def calibration(tune_steps: int, rotate: bool) -> list[Case]:
-    """W4 g64 sym, GPTQ default (with the frontier's rotation and tuning choice), once per calibration text."""
-    return [
-        Case("gptq", 4, 64, True, True, True, rotate=rotate, tune_steps=tune_steps, dataset=str(CALIBRATION_DIR / t))
-        for t in CALIBRATION_TEXTS
-    ]
+def calibration(tune_steps: int, rotate: bool, float_targets: bool) -> list[Case]:
+    """W4 g64 sym, GPTQ default (with the frontier's rotation and tuning choice, or rotated with float targets and
+    the head refitted on :data:`FLOAT_TARGET_SAMPLES` windows), once per calibration text."""
+    if float_targets:
+        best = Case("gptq", 4, 64, True, True, True, True, refit_head=True, float_targets=True)
+        best = dataclasses.replace(best, samples=FLOAT_TARGET_SAMPLES)
+    else:
+        best = Case("gptq", 4, 64, True, True, True, rotate=rotate, tune_steps=tune_steps)
+    return [dataclasses.replace(best, dataset=str(CALIBRATION_DIR / t)) for t in CALIBRATION_TEXTS]
 
 
 def quantize(case: Case, model: str, out: Path, samples: int, seq_len: int) -> dict:
     summary = out.with_suffix(".json")
     cmd = [sys.executable, "-m", "quantkit", "quantize", model, "-o", str(out), "--force", "--json", str(summary)]
+    samples = case.samples or samples
     if case.dataset:  # windows from that text, drawn as quantize draws them from the shipped corpus
         calib = out.with_suffix(".calib.safetensors")
         windows = ["--num-samples", str(samples), "--seq-len", str(seq_len)]
@@ -134,6 +155,9 @@ def main() -> None:
         "--tune-steps", type=int, default=TuneConfig().steps, help="frontier, calibration: tuning steps per block"
     )
     parser.add_argument("--no-rotate", action="store_true", help="calibration: without the Hadamard rotation")
+    parser.add_argument(
+        "--float-targets", action="store_true", help="calibration: rotated, float targets, head refitted, 256 windows"
+    )
     parser.add_argument("--only", default=None, help="comma list of scheme names, e.g. w4-g64-sym,w8-ch-sym")
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
@@ -146,7 +170,7 @@ def main() -> None:
     elif args.matrix == "frontier":
         cases = frontier(args.tune_steps)
     else:
-        cases = calibration(args.tune_steps, rotate=not args.no_rotate)
+        cases = calibration(args.tune_steps, rotate=not args.no_rotate, float_targets=args.float_targets)
     if args.only:
         wanted = set(args.only.split(","))
         cases = [c for c in cases if c.scheme in wanted]

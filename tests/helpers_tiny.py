@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,3 +52,18 @@ def rtn_for_tests(
     g_idx[perm] = (torch.arange(k) // scheme.group_len(k)).to(torch.int32)
     qweight = permuted.qweight[:, torch.argsort(perm)]
     return QuantizedWeight(qweight=qweight, scale=permuted.scale, zero=permuted.zero, g_idx=g_idx, scheme=scheme)
+
+
+def logit_error(model_dir: str | Path, checkpoint: str | Path, calib: str | Path) -> float:
+    """Mean squared logit error of a quantized checkpoint against its float model, on a calibration file's windows."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from quantkit.model.resolve import load_model
+
+    ids = load_file(str(calib))["input_ids"].long()
+    float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    quantized = load_model(str(checkpoint), device="cpu")
+    with torch.inference_mode():
+        expected = float_model(input_ids=ids).logits
+        return float((quantized(input_ids=ids).logits.float() - expected).square().mean())

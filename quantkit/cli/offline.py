@@ -161,6 +161,14 @@ def quantize(
         GPTQConfig.damp
     ),
     block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = GPTQConfig.block_size,
+    float_targets: Annotated[
+        bool,
+        typer.Option(
+            help="GPTQ: fit each linear to the float model's outputs (and the residual stream's error), not to its "
+            "own outputs on the quantized inputs (GPTAQ); a regression on the calibration tokens: use 256 windows, "
+            "and --rotate hadamard (unrotated outlier channels make it worse than plain GPTQ)."
+        ),
+    ] = GPTQConfig.float_targets,
     calib: Annotated[
         Path | None,
         typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
@@ -217,10 +225,11 @@ def quantize(
     json_out: JsonOption = None,
 ) -> None:
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
-    from quantkit.quantization.methods import expand_method, resolve_scheme
+    from quantkit.quantization.methods import check_float_targets, expand_method, resolve_scheme
     from quantkit.quantization.pipeline import quantize_model
 
-    gptq = GPTQConfig(damp=damp, block_size=block_size)  # checked for every method, as the flags are
+    check_float_targets(method, float_targets)
+    gptq = GPTQConfig(damp=damp, block_size=block_size, float_targets=float_targets)  # checked for every method
     options = {"symmetric": sym, "act_order": act_order, "static_groups": static_groups, "mse_clip": mse_clip}
     config = QuantizeConfig(
         solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(method)],

@@ -114,7 +114,7 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         on_cpu = device.type == "cpu"  # the spill file spares CPU memory; on a GPU activations stay on it
         for visit in visits:
             staged = StagedBlock(visit.module, arch, runner, hidden, spill=spill if on_cpu else None)
-            for stage, hessian in stage_hessians(staged):
+            for stage, hessian, _ in stage_hessians(staged):
                 assert hessian is not None
                 units.append(meter.measure(visit.module, visit.prefix, visit.index, stage, hessian))
             hidden = staged.output()

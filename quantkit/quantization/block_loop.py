@@ -20,6 +20,7 @@ from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import embed, get_module
 from quantkit.model.source_weights import SourceWeights, load_module, release_module
 from quantkit.progress import progress_bar
+from quantkit.quantization.float_targets import FloatPath, StageMoments
 from quantkit.quantization.staged_block import StagedBlock
 from quantkit.quantization.statistics import HessianStat
 
@@ -60,8 +61,12 @@ def walk_blocks(
             bar.advance(task)
 
 
-def stage_hessians(staged: StagedBlock, *, with_hessian: bool = True) -> Iterator[tuple[Stage, torch.Tensor | None]]:
-    """Run ``staged`` stage by stage, in order; yield each stage with the Hessian ``2 X^T X / n`` of its inputs.
+def stage_hessians(
+    staged: StagedBlock, *, with_hessian: bool = True, float_path: FloatPath | None = None
+) -> Iterator[tuple[Stage, torch.Tensor | None, StageMoments | None]]:
+    """Run ``staged`` stage by stage, in order; yield each stage with the Hessian ``2 X^T X / n`` of its inputs
+    and, with a ``float_path``, the moments its float targets need (:mod:`quantkit.quantization.float_targets`;
+    else None).
 
     ``with_hessian`` False: the stages only run (for the block's output), and None is yielded. Use a stage's
     Hessian (e.g. solve and write back its weights) before asking for the next stage: the next one's inputs are
@@ -70,20 +75,55 @@ def stage_hessians(staged: StagedBlock, *, with_hessian: bool = True) -> Iterato
     for stage in staged.arch.stages:
         k = get_module(staged.block, stage.head).in_features
         stat = HessianStat.zeros(k, device=staged.hidden.device) if with_hessian else None
-        _accumulate(staged, stage.name, stat)
+        moments = None if float_path is None else _stage_moments(staged, stage, k)
+        _accumulate(staged, stage.name, stat, float_path, moments)
+        if moments is not None:
+            moments.normalise_()
         hessian = None if stat is None else stat.take_hessian()
         del stat
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
-        yield stage, hessian
-        del hessian  # not held while the next stage's inputs are computed
+        yield stage, hessian, moments
+        del hessian, moments  # not held while the next stage's inputs are computed
 
 
-def _accumulate(staged: StagedBlock, stage: str, stat: HessianStat | None) -> None:
-    """Run a stage over every mini-batch, adding its inputs to ``stat``; the last input (it may be a view of a
-    reused [rows, intermediate] buffer) goes out of scope on return, before the solver runs."""
-    for x in staged.stage_inputs(stage):
-        if stat is not None:
-            stat.update(x)
+def _stage_moments(staged: StagedBlock, stage: Stage, k: int) -> StageMoments:
+    """The stage's moments, accumulated the cheaper way (:class:`StageMoments`)."""
+    linears = {name: get_module(staged.block, name) for name in stage.linears}
+    if StageMoments.direct_is_cheaper(k, [linear.out_features for linear in linears.values()]):
+        return StageMoments(k, staged.hidden.device, {name: linear.weight for name, linear in linears.items()})
+    return StageMoments(k, staged.hidden.device)
+
+
+def _accumulate(
+    staged: StagedBlock,
+    stage: str,
+    stat: HessianStat | None,
+    float_path: FloatPath | None = None,
+    moments: StageMoments | None = None,
+) -> None:
+    """Run a stage over every mini-batch, adding its inputs to ``stat`` (and, paired with the float path's, to
+    ``moments``); the last input (it may be a view of a reused [rows, intermediate] buffer) goes out of scope on
+    return, before the solver runs.
+
+    One inference-mode context spans both generators: each enters its own, and the two finish in another order
+    than they started, which would otherwise leave inference mode switched on after the call.
+    """
+    with torch.inference_mode():
+        if float_path is None or moments is None:
+            for x in staged.stage_inputs(stage):
+                if stat is not None:
+                    stat.update(x)
+            return
+        float_inputs = float_path.stage_inputs(stage)
+        for rows, x in zip(staged.batches(), staged.stage_inputs(stage), strict=True):
+            if stat is not None:
+                stat.update(x)
+            float_x = next(float_inputs)
+            residual, float_residual = staged.residual_in(stage, rows), float_path.staged.residual_in(stage, rows)
+            error = None if residual is None or float_residual is None else residual.float() - float_residual.float()
+            moments.add(float_x, x, error)
+        for _ in float_inputs:  # runs the float stage to its end (its state for the next stage)
+            raise AssertionError("the float path yielded more mini-batches than the quantized block")
 
 
 def embed_inputs(

@@ -85,6 +85,8 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
     }
     if job.config.refit_head:
         log["refit_head"] = True
+    if gptq.float_targets:
+        log["float_targets"] = True
     if job.rotation is not None:
         log["rotation"] = job.rotation.log() | {"untied_head": job.rotation.head_name if job.rotation.tied else None}
     if job.device.type != "cpu":  # CPU runs keep the log they always had

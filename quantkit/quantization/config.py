@@ -91,13 +91,13 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return needs_calibration(self.solvers) or self.tuning or self.refit_head
+        return needs_calibration(self.solvers) or self.keeps_reference
 
     @property
     def keeps_reference(self) -> bool:
         """The run carries the float model's activations beside the quantized ones (tuning's targets, the head's
-        refit)."""
-        return self.tuning or self.refit_head
+        refit, GPTQ's float targets)."""
+        return self.tuning or self.refit_head or (self.gptq is not None and self.gptq.float_targets)
 
     def resolved_scheme(self) -> QuantScheme:
         return self.scheme if self.scheme is not None else resolve_scheme(self.method)

@@ -86,4 +86,6 @@ def _solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> 
         spec["tune"] = asdict(config.tune)
     if config.refit_head:
         spec["refit_head"] = True
+    if gptq.float_targets:
+        spec["float_targets"] = True
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

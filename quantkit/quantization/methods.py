@@ -63,6 +63,13 @@ def check_solvers(solvers: Sequence[SolverConfig]) -> None:
         raise QuantkitError(f"cannot quantize with [{shown}]; use one of: {spellings}")
 
 
+def check_float_targets(method: str, float_targets: bool) -> None:
+    """Float targets change what GPTQ fits; a method without a GPTQ step has nothing to apply them to."""
+    if float_targets and GPTQConfig not in METHODS.get(method, ()):
+        with_gptq = ", ".join(name for name, kinds in METHODS.items() if GPTQConfig in kinds)
+        raise QuantkitError(f"float targets are a GPTQ option and method '{method}' has no GPTQ step; use {with_gptq}")
+
+
 def needs_calibration(solvers: Sequence[SolverConfig]) -> bool:
     """Round-to-nearest alone needs no activations: no calibration, no forward passes."""
     return any(not isinstance(s, RTNConfig) for s in solvers)

@@ -184,7 +184,11 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     skeleton = build_skeleton(job.source)
     tune = job.config.tune if job.config.tuning else None
     run = BlockPass(
-        arch=job.arch, solvers=job.config.solvers, storage=job.storage, tune=tune, keep_reference=job.config.refit_head
+        arch=job.arch,
+        solvers=job.config.solvers,
+        storage=job.storage,
+        tune=tune,
+        keep_reference=job.config.keeps_reference,
     )
     device = job.device
     hidden: torch.Tensor | None = None

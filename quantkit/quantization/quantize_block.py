@@ -15,7 +15,9 @@ from quantkit.model.blocks import get_module
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_pass import BlockPass, BlockSchemes
 from quantkit.quantization.dispatch import split_solvers, weight_solver
+from quantkit.quantization.float_targets import FloatPath, StageMoments, float_target
 from quantkit.quantization.records import RunRecord, TuneRecord
+from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.solvers.tune import tune_block
 from quantkit.quantization.staged_block import StagedBlock
 
@@ -57,26 +59,36 @@ def quantize_block(
     solver = weight_solver(last)
     out = QuantizedBlock({}, None)
     tuning = run.tune is not None and run.tune.steps > 0
-    if tuning or run.keep_reference:  # the float model's output is what tuning reproduces
-        targets = run.runner.run(block, hidden if reference is None else reference)
-        out.reference_output = targets
+    float_input = hidden if reference is None else reference
+    # with float targets (and no transform that changes the float block) the float path computes the float
+    # output on the way; else it is computed here, before anything changes the block
+    float_path_output = isinstance(last, GPTQConfig) and last.float_targets and not transforms
+    if (tuning or run.keep_reference) and not float_path_output:  # the float output: tuning reproduces it
+        out.reference_output = run.runner.run(block, float_input)
     if tuning:  # the solve overwrites ``hidden``
         inputs = hidden.clone()
     for config, transform in transforms:
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
+    float_path = None
+    if isinstance(last, GPTQConfig) and last.float_targets:  # a float copy, before any linear is quantized
+        float_path = FloatPath(block, run.arch, run.runner, float_input)
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
-    for stage, hessian in stage_hessians(staged, with_hessian=solver.needs_hessian):
+    for stage, hessian, moments in stage_hessians(staged, with_hessian=solver.needs_hessian, float_path=float_path):
         if not tuning and (stage.name == GATE_UP or (stage.name == DOWN and staged.output_reads_spill)):
             # h2 is complete, so no later step runs the attention linears; with every down_proj input spilled,
             # only down_proj runs again (the output is h2 + down(spilled inputs))
             _drop_dense(block, out.weights)
         for names, scheme in _same_scheme_runs(stage.linears, schemes):
-            _solve_run(block, prefix, names, scheme, hessian, run, out)
-        del hessian
+            _solve_run(block, prefix, names, scheme, hessian, run, out, moments)
+        del hessian, moments
+    if float_path_output and float_path is not None and (tuning or run.keep_reference):
+        out.reference_output = float_path.output()
+    del float_path
     release_freed_memory()
     out.output = staged.output()
     if tuning:
-        _tune(block, prefix, inputs, targets, out, run)
+        assert out.reference_output is not None
+        _tune(block, prefix, inputs, out.reference_output, out, run)
     return out
 
 
@@ -88,12 +100,19 @@ def _solve_run(
     hessian: torch.Tensor | None,
     run: BlockPass,
     out: QuantizedBlock,
+    moments: StageMoments | None = None,
 ) -> None:
     """Solve linears that share an input and a scheme; each then computes with its dequantized weight (its float
-    weight is freed as soon as the solver is done with it)."""
+    weight is freed as soon as the solver is done with it). ``moments``: the solver then fits the float targets
+    (:mod:`quantkit.quantization.float_targets`)."""
     _, config = split_solvers(run.solvers)
     linears = [get_module(block, name) for name in names]
     weights = [linear.weight.data for linear in linears]
+    if moments is not None and hessian is not None and isinstance(config, GPTQConfig):
+        weights = [
+            float_target(w, hessian, moments.shift(name, w, hessian), config.damp)
+            for name, w in zip(names, weights, strict=True)
+        ]
     fulls = [f"{prefix}.{name}" for name in names]
     solved = weight_solver(config).solve(config, weights, hessian, scheme, run.storage, fulls, run.hessian_scratch)
     del weights

@@ -63,7 +63,7 @@ class StagedBlock:
         self._gate_up = _silu_gate_up(self.mlp, arch)  # None: run the MLP module itself to find down's inputs
         self._mlp_scratch: torch.Tensor | None = None  # [2, rows, intermediate]: gate and up products, reused
 
-    def _batches(self) -> Iterator[slice]:
+    def batches(self) -> Iterator[slice]:
         n, size = self.hidden.shape[0], self.runner.batch_size
         for start in range(0, n, size):
             yield slice(start, min(start + size, n))
@@ -82,9 +82,19 @@ class StagedBlock:
         }
         producer = producers[stage]
         with torch.inference_mode():
-            for rows in self._batches():
+            for rows in self.batches():
                 yield producer(rows)
         self._mlp_scratch = None
+
+    def residual_in(self, stage: str, rows: slice) -> torch.Tensor | None:
+        """The residual stream that ``stage``'s linears add their output to (o_proj: the block input; down_proj:
+        h2), for ``rows``, while that stage runs; None for a stage that does not write the residual stream."""
+        if stage == O_PROJ:
+            return self.hidden[rows]
+        if stage == DOWN:
+            assert self._residual is not None, "the gate_up stage must run before the down stage"
+            return self._residual[rows]
+        return None
 
     def output(self) -> torch.Tensor:
         """The block output for every sample, with all stages as they are now (storage dtype).
@@ -96,7 +106,7 @@ class StagedBlock:
         if self._spill_complete():
             return self._output_from_spill(out)
         with torch.inference_mode():
-            for rows in self._batches():
+            for rows in self.batches():
                 h2 = out[rows].float()
                 out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
         return out
@@ -108,7 +118,7 @@ class StagedBlock:
         return self._spill_complete()
 
     def _spill_complete(self) -> bool:
-        return self.spill is not None and self._spilled_batches == len(list(self._batches()))
+        return self.spill is not None and self._spilled_batches == len(list(self.batches()))
 
     def _output_from_spill(self, out: torch.Tensor) -> torch.Tensor:
         """``h2 + down_proj(a)`` with the down_proj inputs ``a`` read back from the spill file."""
@@ -116,7 +126,7 @@ class StagedBlock:
         down = get_module(self.block, self.arch.stage(DOWN).head)
         self._spilled_batches = 0
         with torch.inference_mode():
-            for rows, a in zip(self._batches(), self.spill.read_back(), strict=True):
+            for rows, a in zip(self.batches(), self.spill.read_back(), strict=True):
                 out[rows] = (out[rows].float() + down(a)).to(out.dtype)
         return out
 

@@ -26,7 +26,7 @@ from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODES, CandidateName
 from quantkit.mixed.sensitivity import SensitivityConfig
 from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
-from quantkit.quantization.methods import METHODS, resolve_scheme
+from quantkit.quantization.methods import METHODS, check_float_targets, resolve_scheme
 from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.recipes.overrides import RecipeError, apply_overrides, env_substitution
@@ -112,6 +112,7 @@ class QuantizationSection(FileModel):
     method: Method = DEFAULT_METHOD
     scheme: SchemeSection = Field(default_factory=SchemeSection)
     damp: float = Field(GPTQConfig.damp, ge=0, lt=1)
+    float_targets: bool = GPTQConfig.float_targets  # GPTQ toward the float model's outputs (GPTAQ)
     ignore: list[Regex] = Field(default_factory=list)
     rotate: RotationKind = RotationConfig().kind  # a rotation folded into the weights before solving
     rotate_seed: int = RotationConfig().seed
@@ -123,6 +124,14 @@ class QuantizationSection(FileModel):
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme
+
+    @model_validator(mode="after")
+    def _float_targets_need_gptq(self) -> QuantizationSection:
+        try:
+            check_float_targets(self.method, self.float_targets)
+        except QuantkitError as error:
+            raise rule_error(str(error), "float_targets") from None
+        return self
 
     @model_validator(mode="after")
     def _one_source_of_schemes(self) -> QuantizationSection:

@@ -274,7 +274,7 @@ def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | N
     from quantkit.quantization.solvers.gptq import GPTQConfig
 
     q = run.recipe.quantization
-    gptq = GPTQConfig(damp=q.damp)
+    gptq = GPTQConfig(damp=q.damp, float_targets=q.float_targets)
     return QuantizeConfig(
         solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(q.method)],
         scheme=q.quant_scheme(),

@@ -31,9 +31,16 @@ CASES = [
     ("reference-written", 1, "rotated-tuned"),
     ("reference-written", 2, "rotated-tuned"),
     ("state-written", 2, "rotated-tuned"),
+    ("reference-written", 2, "rotated-float-targets"),
+    ("state-written", 2, "rotated-float-targets"),
 ]
-# the options of each variant: a rotated, tuned run keeps two more kinds of state (outer tensors, float inputs)
-VARIANTS = {"plain": (), "rotated-tuned": ("--rotate", "hadamard", "--tune-steps", "3")}
+# the options of each variant: a rotated, tuned run keeps two more kinds of state (outer tensors, float inputs); with
+# float targets the float inputs come from the float path that runs beside the quantized block
+VARIANTS = {
+    "plain": (),
+    "rotated-tuned": ("--rotate", "hadamard", "--tune-steps", "3"),
+    "rotated-float-targets": ("--rotate", "hadamard", "--float-targets", "--refit-head"),
+}
 FILES = ("model.safetensors", "config.json", "quantkit_log.json", "tokenizer.json")
 
 

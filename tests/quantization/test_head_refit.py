@@ -8,12 +8,11 @@ import pytest
 import torch
 from cli_runner import run_cli
 from conftest import save_tiny_model
+from helpers_tiny import logit_error
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
-from quantkit.model.resolve import load_model
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.head_refit import final_hidden, refit_head
 from quantkit.quantization.pipeline import quantize_model
@@ -59,15 +58,6 @@ def _quantize(model, calib, output, on_block_done=None, **fields):
     return quantize_model(str(model), config, output, on_block_done=on_block_done)
 
 
-def _logit_error(model_dir, checkpoint, calib) -> float:
-    ids = load_file(str(calib))["input_ids"].long()
-    float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    quantized = load_model(str(checkpoint), device="cpu")
-    with torch.inference_mode():
-        expected = float_model(input_ids=ids).logits
-        return float((quantized(input_ids=ids).logits.float() - expected).square().mean())
-
-
 @pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rotated"])
 def test_refit_lowers_the_logit_error_on_the_calibration_windows(tiny_model_dir, tiny_calib_file, tmp_path, rotate):
     rotation = RotationConfig("hadamard" if rotate else "none")
@@ -78,8 +68,8 @@ def test_refit_lowers_the_logit_error_on_the_calibration_windows(tiny_model_dir,
     assert heads[0].shape == heads[1].shape and heads[0].dtype == heads[1].dtype
     assert not torch.equal(heads[0], heads[1])
     assert json.loads((refit / "quantkit_log.json").read_text())["refit_head"] is True
-    before = _logit_error(tiny_model_dir, plain, tiny_calib_file)
-    after = _logit_error(tiny_model_dir, refit, tiny_calib_file)
+    before = logit_error(tiny_model_dir, plain, tiny_calib_file)
+    after = logit_error(tiny_model_dir, refit, tiny_calib_file)
     assert after < 0.9 * before
 
 

@@ -320,6 +320,15 @@ RULES = [
     ),
     _case(
         FULL,
+        "  method: gptq",
+        "  method: rtn\n  float_targets: true",
+        "quantization.float_targets",
+        "float targets are a GPTQ option and method 'rtn' has no GPTQ step; use gptq, awq+gptq",
+        "float-targets-without-gptq",
+        1,
+    ),
+    _case(
+        FULL,
         "    group_size: 64",
         "    group_size: 0",
         "quantization.scheme.group_size",

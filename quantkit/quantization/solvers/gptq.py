@@ -34,6 +34,9 @@ class GPTQConfig:
     block_size: int = 128
     damp_retries: int = 3  # extra attempts, each with damp *= damp_growth
     damp_growth: float = 10.0
+    # fit the float model's outputs on its own inputs, not the linear's own on the quantized inputs (GPTAQ;
+    # quantkit.quantization.float_targets): the run carries the float model's activations
+    float_targets: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.damp < 1:

@@ -62,16 +62,16 @@ def quantize_block(
     float_input = hidden if reference is None else reference
     # with float targets (and no transform that changes the float block) the float path computes the float
     # output on the way; else it is computed here, before anything changes the block
-    float_path_output = isinstance(last, GPTQConfig) and last.float_targets and not transforms
+    float_targets = isinstance(last, GPTQConfig) and last.float_targets
+    float_path_output = float_targets and not transforms
     if (tuning or run.keep_reference) and not float_path_output:  # the float output: tuning reproduces it
         out.reference_output = run.runner.run(block, float_input)
     if tuning:  # the solve overwrites ``hidden``
         inputs = hidden.clone()
     for config, transform in transforms:
         out.records += transform.apply(config, block, prefix, hidden, schemes, run)
-    float_path = None
-    if isinstance(last, GPTQConfig) and last.float_targets:  # a float copy, before any linear is quantized
-        float_path = FloatPath(block, run.arch, run.runner, float_input)
+    # a float copy, before any linear is quantized
+    float_path = FloatPath(block, run.arch, run.runner, float_input) if float_targets else None
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.spill)
     for stage, hessian, moments in stage_hessians(staged, with_hessian=solver.needs_hessian, float_path=float_path):
         if not tuning and (stage.name == GATE_UP or (stage.name == DOWN and staged.output_reads_spill)):
@@ -81,7 +81,7 @@ def quantize_block(
         for names, scheme in _same_scheme_runs(stage.linears, schemes):
             _solve_run(block, prefix, names, scheme, hessian, run, out, moments)
         del hessian, moments
-    if float_path_output and float_path is not None and (tuning or run.keep_reference):
+    if float_path is not None and float_path_output and (tuning or run.keep_reference):
         out.reference_output = float_path.output()
     del float_path
     release_freed_memory()

@@ -8,7 +8,7 @@ and recipes without a smoke stage. The rest needs an extra (pyproject.toml's ``o
 - ``plot``: matplotlib: ``quantkit plan --plot``, the plots of a recipe's report (skipped with a note without it);
 - ``gpu``: triton: the Triton kernels, imported only when a CUDA device is there (or ``TRITON_INTERPRET=1``); the
   runtime falls back to its torch backend without it;
-- ``data``: rdata: ``scripts/build_corpus.py`` (reads R data files).
+- ``data``: rdata: ``tools/build_corpus.py`` (reads R data files).
 
 This table is the one place that knows it: the CLI turns a ``ModuleNotFoundError`` of a module listed here into
 one line naming the extra (exit 2), and a recipe checks its stages' extras before its first stage.

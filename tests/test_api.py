@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 import quantkit
 

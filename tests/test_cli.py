@@ -1,6 +1,6 @@
 import json
 
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit import __version__
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.extras import EXTRAS, MissingExtraError, extra_for_module, install_command, missing_extra_error, require
 

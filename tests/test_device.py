@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.device import check_device_name, float64_device, resolve_device, supports_float64
 from quantkit.errors import QuantkitError

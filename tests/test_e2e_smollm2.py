@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.data.calibration import CalibrationConfig, build_calibration
 from quantkit.eval.evaluate import EvalConfig, evaluate

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.progress import Interrupted
 
@@ -109,7 +109,7 @@ def _quantize_command(model: Path, calib: Path, out: Path, *extra: str) -> list[
 @pytest.mark.slow
 def test_a_real_sigint_to_quantize_stops_after_a_finished_block_and_resume_completes(tmp_path, tiny_calib_file):
     """SIGINT to `python -m quantkit quantize` once a block is on disk (8 tiny blocks, so it comes mid-run)."""
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     model = save_tiny_model(tmp_path / "model", num_hidden_layers=8)
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 from rich.console import Console
 from rich.progress import Progress
 
@@ -127,8 +127,7 @@ def test_first_use_conversion_reports_its_steps(tmp_path, monkeypatch, capsys):
     """The GGUF -> HF conversion of an alias (transformers' loaders stubbed with a tiny model): a note, then step
     lines ending in 4/4 done."""
     import transformers
-    from conftest import build_word_tokenizer
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import build_word_tokenizer, tiny_llama
 
     from quantkit.model import gguf_import
 

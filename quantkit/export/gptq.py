@@ -1,5 +1,5 @@
 """GPTQ v1 export: a quantkit checkpoint's integer codes rewritten in the layout GPTQ stacks load (GPTQModel and
-transformers + optimum load it, checked by ``scripts/check_gptq_export.py``; the config follows what vLLM's
+transformers + optimum load it, checked by ``tools/check_gptq_export.py``; the config follows what vLLM's
 ``gptq``/``gptq_marlin`` and AutoGPTQ read). Nothing is requantized.
 
 Tensors of one quantized Linear (N out, K in, G = K / group_size groups, b bits, b in 2/4/8):

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.bench.report import percentile
 from quantkit.bench.workload import copied_fraction, make_workload

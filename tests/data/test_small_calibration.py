@@ -6,7 +6,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.data.calibration import (
     MIN_TEXT_COVERAGE,

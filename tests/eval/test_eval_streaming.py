@@ -17,7 +17,7 @@ from quantkit.eval.report import eval_table
 
 @pytest.fixture(scope="module")
 def other_model_dir(tmp_path_factory):
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("other") / "model", seed=5)
 
@@ -117,7 +117,7 @@ def test_streamed_evaluation_equals_the_all_at_once_computation(tiny_model_dir, 
 def test_json_has_reference_perplexity_and_percent_change(
     tiny_model_dir, other_model_dir, text_corpus, tmp_path, capsys
 ):
-    from cli_runner import run_cli
+    from helpers.cli import run_cli
 
     report = tmp_path / "eval.json"
     args = ["eval", str(tiny_model_dir), "--dataset", str(text_corpus), "--seq-len", "32", "--max-windows", "4"]
@@ -138,7 +138,7 @@ def test_json_has_reference_perplexity_and_percent_change(
 
 
 def test_all_windows_flag_scores_the_whole_text(tiny_model_dir, text_corpus, tmp_path, capsys):
-    from cli_runner import run_cli
+    from helpers.cli import run_cli
 
     report = tmp_path / "eval.json"
     args = ["eval", str(tiny_model_dir), "--dataset", str(text_corpus), "--seq-len", "128", "--json", str(report)]

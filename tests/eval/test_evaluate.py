@@ -69,7 +69,7 @@ def test_model_is_its_own_reference(tiny_model_dir, text_corpus, tmp_path):
 
 
 def test_a_different_reference_has_positive_kl(tiny_model_dir, tmp_path, text_corpus):
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     other = save_tiny_model(tmp_path / "other", seed=5)
     config = EvalConfig(dataset=str(text_corpus), seq_len=32, max_windows=3, reference=str(other), show_progress=False)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import QuantizeConfig
@@ -18,8 +18,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def bf16_model(tmp_path_factory) -> Path:
-    from conftest import build_word_tokenizer
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import build_word_tokenizer, tiny_llama
 
     path = tmp_path_factory.mktemp("bf16") / "model"
     model = tiny_llama(seed=0, bos_token_id=1, eos_token_id=2, intermediate_size=128)

@@ -12,9 +12,9 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
 from gguf import GGMLQuantizationType as QType
 from gguf import GGUFReader
+from helpers.paths import REPO
 from safetensors.torch import load_file, save_file
 
 from quantkit.errors import QuantkitError
@@ -70,7 +70,7 @@ def bpe_tokenizer(kind: str = "smollm", add_bos: bool = False):
 
 def save_model(path: Path, arch: str = "llama", add_bos: bool = False) -> Path:
     """A random tiny model in bfloat16 (hidden 64, 4 heads, 2 kv heads, head dim 16) with a BPE tokenizer."""
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import tiny_llama
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
@@ -447,7 +447,7 @@ def test_scales_fp16_cannot_hold_are_refused(w4_copy, tmp_path, value):
 
 
 def test_a_tokenizer_that_is_not_byte_level_bpe_is_refused(w4_copy, tmp_path):
-    from conftest import build_word_tokenizer
+    from helpers.tiny import build_word_tokenizer
 
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (w4_copy / name).unlink()

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_word_tokenizer
-from helpers_tiny import rtn_for_tests, tiny_llama
+from helpers.tiny import build_word_tokenizer, rtn_for_tests, tiny_llama
 from safetensors import safe_open
 
 from quantkit.errors import QuantkitError
@@ -313,7 +312,7 @@ def test_a_float_model_is_not_exported(fp16_model: Path, tmp_path: Path) -> None
 
 
 # --------------------------------------------------------------------------------------------------
-# A loader nobody here wrote (runs where gptqmodel is installed; see scripts/check_gptq_export.py)
+# A loader nobody here wrote (runs where gptqmodel is installed; see tools/check_gptq_export.py)
 # --------------------------------------------------------------------------------------------------
 
 

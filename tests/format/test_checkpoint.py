@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests, tiny_llama
+from helpers.tiny import rtn_for_tests, tiny_llama
 from safetensors import safe_open
 from safetensors.torch import load_file
 

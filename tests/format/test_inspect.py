@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests
+from helpers.tiny import rtn_for_tests
 
 from quantkit.format.inspect import CheckpointReport, inspect_checkpoint, render_report
 from quantkit.format.quantization_config import build_quantization_config

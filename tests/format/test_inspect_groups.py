@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_cli
-from helpers_tiny import rtn_for_tests
+from helpers.cli import run_cli
+from helpers.tiny import rtn_for_tests
 
 from quantkit.format.inspect import inspect_checkpoint, natural_key, render_report
 from quantkit.format.quantization_config import build_quantization_config

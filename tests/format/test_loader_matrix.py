@@ -37,7 +37,7 @@ TOKENS = torch.tensor([[1, 5, 9, 17, 33, 65, 129, 200, 7, 3, 250, 11]])
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     # in-features 64 (attention, gate/up) and 128 (down): g32, g64 and per-channel are valid everywhere
     return save_tiny_model(tmp_path_factory.mktemp("matrix") / "model", intermediate_size=128)
@@ -123,7 +123,7 @@ def test_a_mixed_plan_loads_in_transformers(model_dir, calib, tmp_path):
 
 
 def test_a_fallback_checkpoint_loads_in_transformers(tmp_path, calib):
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model", intermediate_size=160)  # down_proj K = 160: g64 falls back
     scheme = resolve_scheme("rtn", bits=4, group_size=64)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_tiny import rtn_for_tests, tiny_llama
+from helpers.tiny import rtn_for_tests, tiny_llama
 from safetensors.torch import load_file, save_file
 
 from quantkit.errors import QuantkitError

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests
+from helpers.tiny import rtn_for_tests
 
 from quantkit.errors import QuantkitError
 from quantkit.format.inspect import inspect_checkpoint

@@ -1,7 +1,7 @@
 import json
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.data.calibration import CalibrationConfig, build_calibration
 from quantkit.format.inspect import inspect_checkpoint
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.slow  # every test measures a model (the proxy fixture 
 
 @pytest.fixture(scope="module")
 def calib(tiny_model_dir, tmp_path_factory):
-    from conftest import REPO
+    from helpers.paths import REPO
 
     root = tmp_path_factory.mktemp("sens")
     text = root / "text.txt"

@@ -4,7 +4,7 @@ the uniform schemes."""
 from __future__ import annotations
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.mixed.measurement import load_measurement
 
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # measures the tiny model (a few seconds)
 
 
 def test_default_sensitivity_is_hybrid_and_plan_compares_with_uniform(tiny_model_dir, tmp_path, capsys):
-    from conftest import REPO
+    from helpers.paths import REPO
 
     from quantkit.data.calibration import CalibrationConfig, build_calibration
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.mixed.candidates import parse_candidate, unit_storage_bits
 from quantkit.mixed.measurement import DEFAULT_MODE, CandidateCost, Measurement, UnitMeasurement

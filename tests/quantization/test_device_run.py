@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.eval.evaluate import EvalConfig, evaluate
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.faults import POINTS
 
@@ -139,7 +139,7 @@ def test_a_full_disk_is_one_line_exit_2_and_resumable(
 
 
 def test_weights_edited_in_place_are_not_resumed_over(tmp_path, calib_file, capsys):
-    from conftest import save_tiny_model
+    from helpers.tiny import save_tiny_model
     from safetensors.torch import load_file, save_file
 
     model = save_tiny_model(tmp_path / "model")

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from cli_runner import run_cli
-from helpers_tiny import logit_error, tiny_llama
+from helpers.cli import run_cli
+from helpers.tiny import logit_error, tiny_llama
 
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import arch_for_model_type

@@ -6,9 +6,8 @@ import json
 
 import pytest
 import torch
-from cli_runner import run_cli
-from conftest import save_tiny_model
-from helpers_tiny import logit_error
+from helpers.cli import run_cli
+from helpers.tiny import logit_error, save_tiny_model
 from safetensors.torch import load_file
 
 from quantkit.errors import QuantkitError

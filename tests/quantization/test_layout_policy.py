@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.errors import QuantkitError
 from quantkit.format.inspect import inspect_checkpoint

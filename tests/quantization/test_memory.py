@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_word_tokenizer
+from helpers.tiny import build_word_tokenizer
 from safetensors.torch import save_file
 
 CONFIG = {

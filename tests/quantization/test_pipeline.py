@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.data.calibration import CalibrationConfig, build_calibration
 from quantkit.errors import QuantkitError
@@ -25,7 +25,7 @@ SCHEME = QuantScheme(bits=4, group_size=32)
 
 @pytest.fixture(scope="module")
 def calib_file(tiny_model_dir, tmp_path_factory) -> Path:
-    from conftest import REPO
+    from helpers.paths import REPO
 
     text = tmp_path_factory.mktemp("calib") / "text.txt"
     text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:30000])
@@ -43,7 +43,7 @@ def _quantize(model, calib, output, method="gptq", on_block_done=None, **kw):
 
 def _first_block_setup(rows: int, dtype: torch.dtype, seed: int):
     """A tiny Llama, its block runner and the embedded input of its first block for ``rows`` random windows."""
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import tiny_llama
 
     model = tiny_llama()
     arch = arch_for_model_type("llama")
@@ -109,7 +109,7 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
     ids=["silu", "silu-bias", "gelu-module-path"],
 )
 def test_spilled_activations_give_a_bit_identical_output_and_the_file_is_reused(tmp_path, overrides, fast_mlp):
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import tiny_llama
 
     from quantkit.quantization.spill import SpillFile
     from quantkit.quantization.staged_block import StagedBlock
@@ -229,8 +229,7 @@ def test_existing_output_is_protected(tiny_model_dir, calib_file, tmp_path):
 
 
 def test_calibration_from_another_tokenizer_is_refused(tmp_path, calib_file):
-    from conftest import build_word_tokenizer
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import build_word_tokenizer, tiny_llama
 
     other = tmp_path / "other"
     tiny_llama().save_pretrained(other)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runner import run_cli
-from conftest import save_tiny_model
+from helpers.cli import run_cli
+from helpers.tiny import save_tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 

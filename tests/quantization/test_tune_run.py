@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme

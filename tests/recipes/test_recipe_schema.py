@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.recipes.schema import RecipeError, dump_recipe, load_recipe, recipe_from_text
 from quantkit.recipes.starter import STARTER

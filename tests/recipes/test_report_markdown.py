@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests
+from helpers.tiny import rtn_for_tests
 
 from quantkit.format.quantization_config import build_quantization_config
 from quantkit.format.scheme import QuantScheme
@@ -194,7 +194,7 @@ def test_a_run_without_per_layer_measurements_says_so(tmp_path: Path) -> None:
 def test_a_mixed_recipe_run_links_its_plots(tiny_model_dir, text_corpus, tmp_path, capsys, monkeypatch):
     """The run hands its measurement and plan to the report (mixed recipe: hybrid sensitivity by default)."""
     pytest.importorskip("matplotlib")
-    from cli_runner import run_cli
+    from helpers.cli import run_cli
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
     recipe = tmp_path / "recipe.yaml"

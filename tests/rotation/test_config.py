@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers_tiny import tiny_llama_config
+from helpers.tiny import tiny_llama_config
 
 from quantkit.errors import QuantkitError
 from quantkit.rotation.config import RotationConfig, head_dim_of, rotations_for

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.families import FAMILIES, tiny_model
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -16,7 +17,6 @@ from quantkit.model.architectures import arch_for_model_type
 from quantkit.rotation import fold
 from quantkit.rotation.config import RotationConfig, rotations_for
 from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head, rotate_model
-from rotation.tiny_families import FAMILIES, tiny_model
 
 HADAMARD = RotationConfig("hadamard", seed=3)
 CASES = [(family, tied) for family in FAMILIES for tied in (False, True)]

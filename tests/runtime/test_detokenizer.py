@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import build_word_tokenizer
+from helpers.tiny import build_word_tokenizer
 
 from quantkit.runtime.detokenizer import Detokenized, Detokenizer
 

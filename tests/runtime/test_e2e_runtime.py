@@ -22,15 +22,6 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One thread: a 135M model loses little, and a shared CPU no longer stalls every parallel op."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def hf_reference(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, greedy completion ids) from HF generate, one prompt at a time (no padding), fp32."""

@@ -8,13 +8,13 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers.runtime import run_triton_interpreted
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.llm import LLM
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
-from runtime.helpers_runtime import one_thread, run_triton_interpreted  # noqa: F401 (autouse fixture)
 
 VOCAB = 256
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.runtime import engine_logits, run_triton_interpreted
 
 from quantkit.errors import QuantkitError
 from quantkit.eval.logit_metrics import token_kl
@@ -26,7 +27,6 @@ from quantkit.runtime.kv_cache import (
     quantize_rows,
 )
 from quantkit.runtime.sampling_params import SamplingParams
-from runtime.helpers_runtime import engine_logits, one_thread, run_triton_interpreted  # noqa: F401 (autouse fixture)
 
 FORMATS = ["int8", "fp8"]
 VOCAB = 256
@@ -316,6 +316,6 @@ print(json.dumps(out))
 def test_triton_backend_int8_cache_matches_torch_backend(tiny_model_dir: Path) -> None:
     """The quantizing kv_cache_write and dequantizing paged_attention kernels (CPU interpreter) give the torch
     backend's tokens with an int8 cache. (fp8 is not run here: the interpreter mis-rounds float32 -> fp8, see
-    tests/runtime_kernels/test_kv_quant_kernels.py.)"""
+    tests/runtime/kernels/test_kv_quant_kernels.py.)"""
     out = run_triton_interpreted(_TRITON_SCRIPT, str(tiny_model_dir))
     assert out["triton"] == out["torch"]

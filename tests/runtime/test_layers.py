@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers_tiny import rtn_for_tests
+from helpers.tiny import rtn_for_tests
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
@@ -17,7 +17,6 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import linear_tensors
 from quantkit.runtime.attention_backend import AttentionMetadata, TorchAttentionBackend
 from quantkit.runtime.layers import Linear, RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary
-from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
 
 
 def test_rmsnorm_matches_hf_with_fused_residual() -> None:

@@ -16,7 +16,6 @@ from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.logprobs import token_logprobs
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
-from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
 
 TOL = 1e-4
 VOCAB = 256

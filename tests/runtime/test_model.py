@@ -6,20 +6,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import tiny_llama
+from helpers.runtime import (
+    engine_logits,
+    hf_logits,
+    save_hf,
+    save_quantized,
+    tiny_qwen,
+)
+from helpers.tiny import tiny_llama
 
 from quantkit.errors import QuantkitError
 from quantkit.format.loader import load_quantized_model
 from quantkit.runtime.engine import Engine
 from quantkit.runtime.model import ModelConfig, load_model
-from runtime.helpers_runtime import (  # noqa: F401 (one_thread: autouse fixture)
-    engine_logits,
-    hf_logits,
-    one_thread,
-    save_hf,
-    save_quantized,
-    tiny_qwen,
-)
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 64, 128, 5, 33, 71]
 

@@ -8,7 +8,6 @@ import torch
 
 from quantkit.runtime.sampler import Sampler, apply_top_k, apply_top_p
 from quantkit.runtime.sampling_params import SamplingParams
-from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
 
 NEG = float("-inf")
 

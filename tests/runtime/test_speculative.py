@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from helpers.tiny import save_tiny_model
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.config import EngineConfig
@@ -18,7 +18,6 @@ from quantkit.runtime.llm import LLM
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.speculative.ngram import propose_ngram
 from quantkit.runtime.speculative.verify import verify_greedy, verify_sampled
-from runtime.helpers_runtime import one_thread  # noqa: F401 (autouse fixture)
 from runtime.test_engine import VOCAB, _assert_cache_empty, _engine, _run
 
 SPECULATION = [

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, build_word_tokenizer
-from helpers_tiny import tiny_llama
-from runtime.helpers_runtime import save_quantized
+from helpers.paths import REPO
+from helpers.runtime import save_quantized
+from helpers.tiny import build_word_tokenizer, tiny_llama
 
 from quantkit.format.loader import load_quantized_model
 from quantkit.server import ServeConfig, ServerThread, create_app

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_model
+from helpers.tiny import save_tiny_model
 
 from quantkit.server import ServeConfig, ServerThread, create_app
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from conftest import save_tiny_model
+from helpers.tiny import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from quantkit.runtime.engine import Engine
@@ -26,14 +26,6 @@ MODEL = "tiny"
 TOL = 1e-4
 PROMPT = "she was not the first of the family to say so"
 ALIGNED = {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +249,7 @@ def test_an_empty_served_name_is_refused():
 def test_no_local_path_in_error_messages(tmp_path, monkeypatch):
     """A model without a tokenizer, served from a relative and from an absolute path: the engine's messages name
     its directory, the client sees <path>."""
-    from helpers_tiny import tiny_llama
+    from helpers.tiny import tiny_llama
 
     secret = tmp_path / "secret-dir" / "weights"
     tiny_llama().save_pretrained(secret)  # no tokenizer

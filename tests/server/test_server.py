@@ -15,9 +15,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-from cli_runner import run_cli
-from conftest import REPO, save_tiny_model
+from helpers.cli import run_cli
+from helpers.paths import REPO
+from helpers.tiny import save_tiny_model
 
 from quantkit.server import ServeConfig, ServerThread, create_app
 from quantkit.server.runner import drain
@@ -26,14 +26,6 @@ openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
 LONG = 1900  # completion tokens for a request that is still running when the test acts on it
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -5,19 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
-from cli_runner import run_cli
+from helpers.cli import run_cli
 
 from quantkit.runtime.llm import LLM
 from quantkit.server.smoke import SmokeReport, run_smoke
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_run_smoke_on_a_tiny_checkpoint_is_ok(tiny_model_dir):

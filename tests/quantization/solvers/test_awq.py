@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from helpers_tiny import tiny_llama, tiny_llama_config
+from helpers.tiny import tiny_llama, tiny_llama_config
 from transformers import (
     LlamaForCausalLM,
     MistralConfig,

@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests, tiny_llama
+from helpers.tiny import rtn_for_tests, tiny_llama
 from torch import nn
 
 from quantkit.errors import QuantkitError

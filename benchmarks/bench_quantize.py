@@ -4,11 +4,11 @@ Each configuration is quantized in its own process (`quantkit quantize --json`),
 then evaluated on the held-out text against the original model in this process. Prints one table, with the
 original model's perplexity as the baseline row and each RTN row's gap closed by the matching GPTQ/AWQ row.
 
-    python scripts/bench_quantize.py                     # the full matrix (long on 2 CPU cores)
-    python scripts/bench_quantize.py --only w4-g64-sym --methods rtn,gptq --eval-windows 20
-    python scripts/bench_quantize.py --matrix frontier --samples 40    # W4/W3 schemes with rotation and tuning
-    python scripts/bench_quantize.py --matrix calibration              # W4 g64 calibrated on three texts
-    python scripts/bench_quantize.py --matrix calibration --float-targets   # the same with the best W4 method
+    python -m benchmarks.bench_quantize                     # the full matrix (long on 2 CPU cores)
+    python -m benchmarks.bench_quantize --only w4-g64-sym --methods rtn,gptq --eval-windows 20
+    python -m benchmarks.bench_quantize --matrix frontier --samples 40    # W4/W3 schemes with rotation and tuning
+    python -m benchmarks.bench_quantize --matrix calibration              # W4 g64 calibrated on three texts
+    python -m benchmarks.bench_quantize --matrix calibration --float-targets   # the same with the best W4 method
 """
 
 from __future__ import annotations

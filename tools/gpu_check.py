@@ -1,10 +1,10 @@
-"""The measurements of scripts/gpu_check.sh (issue 24, part B), one subcommand each, each writing one JSON object.
+"""The measurements of tools/gpu_check.sh (issue 24, part B), one subcommand each, each writing one JSON object.
 
-    python scripts/gpu_check.py env OUT.json
-    python scripts/gpu_check.py parity MODEL OUT.json [--prompts 8] [--tokens 32]
-    python scripts/gpu_check.py decode CHECKPOINT OUT.json [--batches 1 16 64] [--tokens 64] [--prompt-len 64]
-    python scripts/gpu_check.py junit REPORT.xml OUT.json
-    python scripts/gpu_check.py merge STEP_DIR OUT.json
+    python -m tools.gpu_check env OUT.json
+    python -m tools.gpu_check parity MODEL OUT.json [--prompts 8] [--tokens 32]
+    python -m tools.gpu_check decode CHECKPOINT OUT.json [--batches 1 16 64] [--tokens 64] [--prompt-len 64]
+    python -m tools.gpu_check junit REPORT.xml OUT.json
+    python -m tools.gpu_check merge STEP_DIR OUT.json
 
 ``parity``: the engine's greedy tokens against HF ``generate`` (one prompt at a time, same dtype and device) on
 random prompts; a divergence is reported with HF's margin between its two best logits at that position (a near tie

@@ -10,13 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.paths import REPO
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-
-import gpu_check  # noqa: E402
-import memory_cap  # noqa: E402
-import random_model  # noqa: E402
+from tools import gpu_check, memory_cap, random_model
 
 # holds the memory for a second: the cap's poller must see it before the process exits
 ALLOCATE = (
@@ -105,7 +101,17 @@ def test_the_gpu_check_runs_its_steps_on_the_cpu(tmp_path: Path) -> None:
     env = {"GPU_CHECK_WORK": str(tmp_path / "work"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     env["GPU_CHECK_LIMIT_GPTQ"] = "1"  # too short to finish: recorded as timed out
     result = subprocess.run(
-        ["bash", str(SCRIPTS / "gpu_check.sh"), "--dry-run", "--out", str(out), "env", "parity", "gptq", "decode"],
+        [
+            "bash",
+            str(REPO / "tools" / "gpu_check.sh"),
+            "--dry-run",
+            "--out",
+            str(out),
+            "env",
+            "parity",
+            "gptq",
+            "decode",
+        ],
         capture_output=True,
         text=True,
         env=env,

@@ -1,6 +1,6 @@
 """Random-kill campaign: quantize, `kill -9` at a random moment, resume, and compare with an uninterrupted run.
 
-    python scripts/fault_campaign.py --runs 30 --json campaign.json   # GPTQ W4 g64 on SmolLM2
+    python -m tools.fault_campaign --runs 30 --json campaign.json   # GPTQ W4 g64 on SmolLM2
 
 Each run starts from nothing, is killed (SIGKILL) at a moment drawn uniformly over the reference run's wall time,
 then resumed with `--resume` until it exits; its output must be byte-identical to the reference and nothing may be

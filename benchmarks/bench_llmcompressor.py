@@ -1,7 +1,7 @@
 """quantkit against llm-compressor (vllm-project/llm-compressor) on the same model, data, scheme and evaluation.
 
 llm-compressor pins torch/transformers/compressed-tensors versions that conflict with quantkit's, so it runs in
-its own virtual environment (``--llmc-python``), through scripts/llmc_worker.py. Setting that environment up:
+its own virtual environment (``--llmc-python``), through benchmarks/llmc_worker.py. Setting that environment up:
 
     python3 -m venv /work/tmp/llmc-venv
     /work/tmp/llmc-venv/bin/pip install torch==2.13.0     # first: the CPU build, not pip's CUDA default
@@ -9,9 +9,9 @@ its own virtual environment (``--llmc-python``), through scripts/llmc_worker.py.
 
 Then (QUANTKIT_CACHE / HF_HUB_OFFLINE as needed to find the converted model offline):
 
-    python scripts/bench_llmcompressor.py --llmc-python /work/tmp/llmc-venv/bin/python --llmc-no-pin-memory \
+    python -m benchmarks.bench_llmcompressor --llmc-python /work/tmp/llmc-venv/bin/python --llmc-no-pin-memory \
         --json bench_llmc.json
-    python scripts/bench_llmcompressor.py --llmc-python ... --num-samples 4 --seq-len 64 --eval-windows 2  # smoke
+    python -m benchmarks.bench_llmcompressor --llmc-python ... --num-samples 4 --seq-len 64 --eval-windows 2  # smoke
 
 Steps:
 
@@ -31,7 +31,7 @@ Steps:
      ``--llmc-dtype`` says otherwise. What each modifier actually used is in the JSON (``llmc_info``).
      On a CPU-only machine llm-compressor's AWQ (0.13.0, 0.14.x) fails as released ("RuntimeError: Cannot access
      accelerator device when none is available.", from pinning its cached activations); ``--llmc-no-pin-memory``
-     turns that pinning into a no-op (no numerical effect; see scripts/llmc_worker.py), and the row is marked.
+     turns that pinning into a no-op (no numerical effect; see benchmarks/llmc_worker.py), and the row is marked.
 3. Every checkpoint is evaluated by the same code, in a subprocess:
    ``quantkit eval CKPT --reference MODEL --max-windows N --json`` (held-out Persuasion, 512-token windows):
    perplexity, its change against the float model on the same tokens, KL divergence and top-1 agreement.

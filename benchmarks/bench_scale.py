@@ -3,20 +3,20 @@
 1. Builds once (cached under ``--workdir``) a random-weight model with Llama-3.2-1B's shapes (hidden 2048, 16
    layers, 32 heads / 8 kv heads, intermediate 8192, vocab 128256, tied embeddings, rope theta 500000; 2.47 GB in
    bf16) as a sharded HF directory (``--shard-mb``, default 500: five shards and an index), through
-   ``scripts/random_model.py``. Tokenizer: SmolLM2's (49,152 tokens, from quantkit's converted ``smollm2-135m``)
+   ``tools/random_model.py``. Tokenizer: SmolLM2's (49,152 tokens, from quantkit's converted ``smollm2-135m``)
    where the model's vocabulary holds it, so calibration tokenizes real text; the embedding keeps all 128,256
    rows (the ids it never sees cost memory all the same). Smaller presets get a built word-level tokenizer.
 2. Runs ``quantkit quantize`` in a subprocess per method (default RTN and GPTQ, W4 g64 symmetric, 16 x 512
    calibration windows of the shipped corpus) under a cap of ``--cap-fraction`` (default 0.6) of the model's
-   bf16 size, enforced as ``scripts/memory_cap.py`` says (a child memory cgroup where writable, else an RSS
+   bf16 size, enforced as ``tools/memory_cap.py`` says (a child memory cgroup where writable, else an RSS
    watchdog). Block times come from the work directory: each finished block's file appears in ``OUT.partial/``.
 3. Checks each checkpoint loads: quantkit's loader and transformers (compressed-tensors) both give finite logits
    on a short prompt, and how far apart they are.
 
 Prints a rich table; ``--json OUT`` writes every figure. Sizes in MB are 10^6 bytes.
 
-    python scripts/bench_scale.py --json /work/tmp/scale/bench_scale.json
-    python scripts/bench_scale.py --preset tiny --workdir /tmp/scale-tiny --num-samples 4 --seq-len 64  # smoke
+    python -m benchmarks.bench_scale --json /work/tmp/scale/bench_scale.json
+    python -m benchmarks.bench_scale --preset tiny --workdir /tmp/scale-tiny --num-samples 4 --seq-len 64  # smoke
 """
 
 from __future__ import annotations
@@ -31,10 +31,8 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from memory_cap import CappedRun, run_capped  # beside this script
-from random_model import BUILD_RECORD, PRESETS, build_random_model, parameter_count
+from tools.memory_cap import CappedRun, run_capped
+from tools.random_model import BUILD_RECORD, PRESETS, build_random_model, parameter_count
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 DEFAULT_WORKDIR = Path("/work/tmp/scale")

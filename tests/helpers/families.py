@@ -6,8 +6,9 @@ is 16 everywhere, and Qwen3's 4 heads x 16 = 64 differ from its hidden 96 (o_pro
 from __future__ import annotations
 
 import torch
-from helpers_tiny import tiny_llama_config
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, PreTrainedModel, Qwen2Config, Qwen3Config
+
+from helpers.tiny import tiny_llama_config
 
 _COMMON: dict[str, object] = {
     "num_hidden_layers": 2,

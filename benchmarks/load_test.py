@@ -1,7 +1,7 @@
 """Concurrency sweep against a quantkit server on loopback: throughput, latency, TTFT, lost requests, RSS.
 
-    python scripts/load_test.py --model smollm2-135m             # starts `quantkit serve` itself
-    python scripts/load_test.py --url http://127.0.0.1:8000 --served-model-name smollm2-135m
+    python -m benchmarks.load_test --model smollm2-135m             # starts `quantkit serve` itself
+    python -m benchmarks.load_test --url http://127.0.0.1:8000 --served-model-name smollm2-135m
 
 Every level sends ``clients * requests_per_client`` streaming completions (bounded in count and time). A
 request is "answered" with a status code or "lost" (connection error, timeout, never finished). The sweep runs

@@ -4,7 +4,7 @@ One sensitivity measurement, then for each budget: the planned checkpoint's perp
 original, next to the best uniform scheme whose size fits that budget (lowest KL among those measured).
 Also reports the Spearman rank correlation between the plans' predicted error and their real KL.
 
-    python scripts/bench_mixed.py --budgets 3.5,4.25,4.5,5,6,8 --samples 128 --eval-windows 40 --mode hybrid
+    python -m benchmarks.bench_mixed --budgets 3.5,4.25,4.5,5,6,8 --samples 128 --eval-windows 40 --mode hybrid
 
 Uniform schemes, plans and the sensitivity measurement are all solved with the method's default solver options
 (for gptq: act-order with static groups and Hessian-weighted MSE clipping), as `quantkit quantize` does.

@@ -13,8 +13,8 @@ Tokenizer: ``--tokenizer DIR`` copies a tokenizer's files (its vocabulary must f
 word-level tokenizer of exactly the model's vocabulary size is built from the shipped Persuasion text (most words
 of the text, then placeholder tokens), so nothing outside the repository is needed.
 
-    python scripts/random_model.py llama2-7b /tmp/llama7b --dtype float16
-    python scripts/random_model.py llama3.2-1b /work/tmp/scale/model --tokenizer ~/.cache/quantkit/models/smollm2-135m
+    python -m tools.random_model llama2-7b /tmp/llama7b --dtype float16
+    python -m tools.random_model llama3.2-1b /work/tmp/scale/model --tokenizer ~/.cache/quantkit/models/smollm2-135m
 """
 
 from __future__ import annotations

@@ -13,9 +13,9 @@ runs float16/bfloat16 only), then prints:
   in the same dtype against each other.
 
 Needs gptqmodel (and optimum for ``--loader transformers``) in the running interpreter; both are pure-Python
-packages. Run from anywhere: the repository root is put on ``sys.path``.
+packages. Run from the repository root (``-m`` puts it on the import path).
 
-    python scripts/check_gptq_export.py /work/tmp/w4g64 [--export DIR] [--loader transformers]
+    python -m tools.check_gptq_export /work/tmp/w4g64 [--export DIR] [--loader transformers]
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from quantkit.export.gptq import write_gptq
 from quantkit.export.source import open_export_source

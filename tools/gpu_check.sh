@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Issue 24, part B: quantkit on a GPU, on a lent machine with no network (see /work/.library/device/README.md).
 #
-#   scripts/gpu_check.sh [--dry-run] [--out DIR] [STEP ...]      (default: every step, in the order below)
-#   scripts/gpu_check.sh --fetch-wheels                            (here, with network: fill .whl/ for the machine)
+#   tools/gpu_check.sh [--dry-run] [--out DIR] [STEP ...]      (default: every step, in the order below)
+#   tools/gpu_check.sh --fetch-wheels                            (here, with network: fill .whl/ for the machine)
 #
 # Steps, each independent (its own time limit; a failure is recorded and the next step runs) and each building
 # what it needs, cached under $GPU_CHECK_WORK (default /tmp/gpu_check: kept while the machine stays warm):
 #   env            versions, GPU name, nvidia-smi
 #   install        carried wheels (.whl/, pip --no-index) into $GPU_CHECK_WORK/site, then quantkit without deps
-#   kernels        pytest tests/runtime_kernels WITHOUT TRITON_INTERPRET (junit counts, failing tests)
-#   bench_kernels  scripts/bench_kernels.py on 7B shapes at M = 1, 4, 16, 64, 256, W4 g128 (and W8 per-channel)
+#   kernels        pytest tests/runtime/kernels WITHOUT TRITON_INTERPRET (junit counts, failing tests)
+#   bench_kernels  benchmarks/bench_kernels.py on 7B shapes at M = 1, 4, 16, 64, 256, W4 g128 (and W8 per-channel)
 #   parity         engine greedy tokens vs HF generate on a random SmolLM2-135M-shape fp16 model (8 x 32 tokens)
 #   decode         a random Llama-2-7B-shape fp16 model, W4 g128 by RTN on the GPU, decode tokens/s at batch
 #                  1, 16, 64 against the roofline (copy bandwidth / bytes per decode step)
@@ -75,10 +75,10 @@ cd "$REPO" || exit 2
 
 if [ $DRY = 1 ]; then
   SMALL=tiny; BIG=tiny; DEVICE=cpu; DTYPE=float32; BATCHES="1 2"; TOKENS=8; PROMPTS=2; CAL="--num-samples 4 --seq-len 64"
-  GROUP=32; KERNEL_TESTS=tests/runtime_kernels/test_rmsnorm.py; export TRITON_INTERPRET=1
+  GROUP=32; KERNEL_TESTS=tests/runtime/kernels/test_rmsnorm.py; export TRITON_INTERPRET=1
 else
   SMALL=smollm2-135m; BIG=llama2-7b; DEVICE=cuda; DTYPE=float16; BATCHES="1 16 64"; TOKENS=32; PROMPTS=8
-  CAL="--num-samples 128 --seq-len 512"; GROUP=128; KERNEL_TESTS=tests/runtime_kernels; unset TRITON_INTERPRET
+  CAL="--num-samples 128 --seq-len 512"; GROUP=128; KERNEL_TESTS=tests/runtime/kernels; unset TRITON_INTERPRET
 fi
 SMALL_DIR=$WORK/models/$SMALL-small
 BIG_DIR=$WORK/models/$BIG-big
@@ -87,10 +87,10 @@ W4_DIR=$WORK/out/$BIG-w4-rtn
 py() { "$PYTHON" "$@"; }
 
 build_model() {  # preset dir seed
-  py scripts/random_model.py "$1" "$2" --dtype "$DTYPE" --seed "$3" --shard-mb 2000
+  py tools/random_model.py "$1" "$2" --dtype "$DTYPE" --seed "$3" --shard-mb 2000
 }
 
-step_env() { py scripts/gpu_check.py env "$STEPDIR/env.json"; }
+step_env() { py tools/gpu_check.py env "$STEPDIR/env.json"; }
 
 step_install() {
   if [ $DRY = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then  # built for the machine's Python 3.12
@@ -106,15 +106,15 @@ step_install() {
 step_kernels() {
   py -m pytest "$KERNEL_TESTS" -q -p no:cacheprovider --junitxml="$WORK/kernels.xml"
   local rc=$?
-  py scripts/gpu_check.py junit "$WORK/kernels.xml" "$STEPDIR/kernels.json"
+  py tools/gpu_check.py junit "$WORK/kernels.xml" "$STEPDIR/kernels.json"
   return $rc
 }
 
 step_bench_kernels() {
-  py scripts/bench_kernels.py --models llama7b --batches 1 4 16 64 --prefill 256 --bits 4 --group-size 128 \
+  py benchmarks/bench_kernels.py --models llama7b --batches 1 4 16 64 --prefill 256 --bits 4 --group-size 128 \
     --json "$STEPDIR/bench_kernels.json" || return 1
   [ -f "$STEPDIR/bench_kernels.json" ] || { echo "no CUDA: skipped"; return 0; }
-  py scripts/bench_kernels.py --models llama7b --kernels matmul --batches 1 4 16 64 --prefill 256 --bits 8 \
+  py benchmarks/bench_kernels.py --models llama7b --kernels matmul --batches 1 4 16 64 --prefill 256 --bits 8 \
     --group-size -1 --json "$STEPDIR/bench_kernels_w8.json" || true
   [ -f "$STEPDIR/bench_kernels_w8.json" ] && py - "$STEPDIR" <<'EOF'
 import json, pathlib, sys
@@ -127,7 +127,7 @@ EOF
 
 step_parity() {
   build_model "$SMALL" "$SMALL_DIR" 0 || return 1
-  py scripts/gpu_check.py parity "$SMALL_DIR" "$STEPDIR/parity.json" --prompts "$PROMPTS" --tokens "$TOKENS"
+  py tools/gpu_check.py parity "$SMALL_DIR" "$STEPDIR/parity.json" --prompts "$PROMPTS" --tokens "$TOKENS"
 }
 
 step_decode() {
@@ -137,7 +137,7 @@ step_decode() {
       --force --json "$WORK/w4_rtn.json" || return 1
   fi
   # shellcheck disable=SC2086
-  py scripts/gpu_check.py decode "$W4_DIR" "$STEPDIR/decode.json" --batches $BATCHES --tokens 64 --prompt-len 64
+  py tools/gpu_check.py decode "$W4_DIR" "$STEPDIR/decode.json" --batches $BATCHES --tokens 64 --prompt-len 64
 }
 
 step_gptq() {
@@ -167,7 +167,7 @@ status = {"step": name, "rc": int(rc), "ok": rc == "0", "timed_out": rc in ("124
 open(path, "w").write(json.dumps(status, indent=1))
 EOF
   echo "   $name: rc $rc in ${seconds}s" | tee -a "$OUTDIR/gpu_check.log"
-  "$PYTHON" scripts/gpu_check.py merge "$STEPDIR" "$OUTDIR/gpu_check.json"  # after every step: a kill keeps the rest
+  "$PYTHON" tools/gpu_check.py merge "$STEPDIR" "$OUTDIR/gpu_check.json"  # after every step: a kill keeps the rest
 }
 
 export REPO WORK SITE STEPDIR PYTHON DRY DEVICE DTYPE BATCHES TOKENS PROMPTS CAL GROUP KERNEL_TESTS SMALL BIG

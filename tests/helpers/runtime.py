@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_tiny import rtn_for_tests, tiny_llama
 
+from helpers.tiny import rtn_for_tests, tiny_llama
 from quantkit.format.quantization_config import build_quantization_config, parse_quantization_config
 from quantkit.format.save_model import save_quantized_model
 from quantkit.format.scheme import QuantScheme
@@ -81,15 +81,6 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 
 def tiny_llama_dir(path: Path, **overrides) -> Path:
     return save_hf(tiny_llama(**overrides), path)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread (and do not stall when the CPU is shared); import it to use it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run_triton_interpreted(script: str, *args: str) -> dict:

@@ -1,6 +1,6 @@
 """Rebuild calibration/ from Debian packages of public-domain novels (no R needed).
 
-Usage: python scripts/build_corpus.py [--debs DIR] [--out calibration]
+Usage: python -m tools.build_corpus [--debs DIR] [--out calibration]
 
 Sources (each a Debian package, fetched with `apt-get download` into a temporary directory unless --debs names a
 directory holding the .deb files; the R data is read with the PyPI package `rdata`):

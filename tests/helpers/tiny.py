@@ -1,4 +1,5 @@
-"""Tiny Llama models and a reference round-to-nearest quantizer for tests (no hub access needed)."""
+"""Tiny Llama models, a word-level tokenizer and a reference round-to-nearest quantizer for tests (no hub access
+needed)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,91 @@ def logit_error(model_dir: str | Path, checkpoint: str | Path, calib: str | Path
     with torch.inference_mode():
         expected = float_model(input_ids=ids).logits
         return float((quantized(input_ids=ids).logits.float() - expected).square().mean())
+
+
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "and",
+    "to",
+    "in",
+    "was",
+    "her",
+    "she",
+    "he",
+    "it",
+    "that",
+    "as",
+    "for",
+    "with",
+    "his",
+    "had",
+    "not",
+    "be",
+    "on",
+    "you",
+    "at",
+    "by",
+    "which",
+    "but",
+    "have",
+    "all",
+    "were",
+    "so",
+    "from",
+    "this",
+    "very",
+    "my",
+    "mr",
+    "been",
+    "they",
+    "what",
+    "would",
+    "no",
+    "one",
+    "mrs",
+    "could",
+    "is",
+    "when",
+    "said",
+    "much",
+    "an",
+    "there",
+    "or",
+    "more",
+    "must",
+    "such",
+    "elinor",
+    "marianne",
+    "emma",
+    "elizabeth",
+    "darcy",
+    "anne",
+    "wentworth",
+]
+
+
+def build_word_tokenizer(vocab_size: int = 256, add_bos: bool = False):
+    """A deterministic word-level tokenizer: specials, common words, then single characters."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<unk>", "<s>", "</s>"]
+    chars = [chr(c) for c in range(33, 127)]
+    vocab_list = list(dict.fromkeys(specials + WORDS + chars))[:vocab_size]
+    vocab = {tok: i for i, tok in enumerate(vocab_list)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Whitespace()])
+    if add_bos:
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
+    )
+
+
+def save_tiny_model(path: Path, *, add_bos: bool = False, seed: int = 0, **overrides) -> Path:
+    model = tiny_llama(seed=seed, bos_token_id=1, eos_token_id=2, **overrides)
+    model.save_pretrained(path)
+    build_word_tokenizer(add_bos=add_bos).save_pretrained(path)
+    return path

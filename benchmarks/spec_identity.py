@@ -6,7 +6,7 @@ a W4 checkpoint of the same model) and, for the KV cache, ``int8``; each both al
 batched (every request at once, continuous batching). Speculative rows must give exactly the reference's tokens on
 every request; the int8 row reports its greedy token agreement (the issue's bar: 99%).
 
-    python scripts/spec_identity.py --model smollm2-135m --draft-model ./smollm2-w4-rtn --requests 16 --json out.json
+    python -m benchmarks.spec_identity --model smollm2-135m --draft-model ./smollm2-w4-rtn --requests 16 --json out.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
-from quantkit.bench.run import run_engine, warm_up  # noqa: E402
-from quantkit.bench.workload import make_workload  # noqa: E402
-from quantkit.runtime.config import EngineConfig  # noqa: E402
-from quantkit.runtime.engine import Engine  # noqa: E402
+from quantkit.bench.run import run_engine, warm_up
+from quantkit.bench.workload import make_workload
+from quantkit.runtime.config import EngineConfig
+from quantkit.runtime.engine import Engine
 
 
 def agreement(reference: list[list[int]], tokens: list[list[int]]) -> tuple[int, float]:

@@ -1,6 +1,6 @@
 """Hostile-client check: every kind of bad request is answered 4xx quickly while a normal request keeps its pace.
 
-    python scripts/bad_requests.py --model smollm2-135m --json bad-requests.json   # starts `quantkit serve`
+    python -m benchmarks.bad_requests --model smollm2-135m --json bad-requests.json   # starts `quantkit serve`
 
 First the unloaded latency of a normal greedy completion (median of --repeat). Then, for each bad request kind,
 --burst copies of it are sent at once while a normal completion runs; the table gives the status codes, the
@@ -23,8 +23,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).parent))
-from load_test import start_server
+from benchmarks.load_test import start_server
 
 API_KEY = "bad-requests-key"
 NAME = "model"

@@ -23,9 +23,9 @@ prompt, the answer token by token through the decode path), and the metrics cove
 the greedy token agreement over the bench workload. "identical" counts the requests each 8-bit cache answers
 free-running with exactly the reference's tokens (one early near-tie changes the rest of an answer).
 
-    python scripts/kv_cache_quality.py                          # SmolLM2-135M, 20 windows of 256, int8 and fp8
-    python scripts/kv_cache_quality.py --model ./my-w4-ckpt --mode chunks --chunk 16 --json kv.json
-    python scripts/kv_cache_quality.py --workload free --requests 32 --formats int8    # the bench workload
+    python -m benchmarks.kv_cache_quality                          # SmolLM2-135M, 20 windows of 256, int8 and fp8
+    python -m benchmarks.kv_cache_quality --model ./my-w4-ckpt --mode chunks --chunk 16 --json kv.json
+    python -m benchmarks.kv_cache_quality --workload free --requests 32 --formats int8    # the bench workload
 """
 
 from __future__ import annotations
@@ -33,23 +33,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
-
-from quantkit.bench.workload import KINDS, make_workload  # noqa: E402
-from quantkit.data.sources import DEFAULT_EVALUATION, load_documents  # noqa: E402
-from quantkit.data.tokens import bos_prefix, encode_documents, join_documents  # noqa: E402
-from quantkit.eval.evaluate import Window, make_windows  # noqa: E402
-from quantkit.eval.logit_metrics import RunningMetrics, token_kl, token_nll  # noqa: E402
-from quantkit.progress import progress_bar  # noqa: E402
-from quantkit.runtime.engine import Engine  # noqa: E402
-from quantkit.runtime.sampling_params import SamplingParams  # noqa: E402
+from quantkit.bench.workload import KINDS, make_workload
+from quantkit.data.sources import DEFAULT_EVALUATION, load_documents
+from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
+from quantkit.eval.evaluate import Window, make_windows
+from quantkit.eval.logit_metrics import RunningMetrics, token_kl, token_nll
+from quantkit.progress import progress_bar
+from quantkit.runtime.engine import Engine
+from quantkit.runtime.sampling_params import SamplingParams
 
 
 def build_windows(tokenizer, dataset: str | None, seq_len: int, count: int) -> list[Window]:

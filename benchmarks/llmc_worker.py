@@ -1,10 +1,10 @@
-"""llm-compressor side of scripts/bench_llmcompressor.py: one `oneshot` run on quantkit's calibration windows.
+"""llm-compressor side of benchmarks/bench_llmcompressor.py: one `oneshot` run on quantkit's calibration windows.
 
 Runs in llm-compressor's own virtual environment (its pins conflict with quantkit's), so it imports nothing from
 quantkit: the calibration file is read with safetensors directly (tensor ``input_ids``, int32 [windows, seq_len],
 metadata ``format = quantkit-calibration/1``).
 
-    /work/tmp/llmc-venv/bin/python scripts/llmc_worker.py --model DIR --calib calib.safetensors \\
+    /work/tmp/llmc-venv/bin/python -m benchmarks.llmc_worker --model DIR --calib calib.safetensors \\
         --method gptq --output OUT --info OUT.json
 
 The token ids go to ``oneshot`` as a pre-tokenized ``datasets.Dataset`` (``input_ids`` and an all-ones

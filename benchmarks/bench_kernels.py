@@ -11,7 +11,7 @@ For SmolLM2-135M shapes (hidden 576, intermediate 1536, 9 heads / 3 kv heads, he
 CUDA events around each call with warmup; the L2 cache is flushed before every timed call unless --no-flush.
 CUDA only: on a machine without a GPU it prints a message and exits 0 (the Triton interpreter is not timed).
 
-    python scripts/bench_kernels.py --help
+    python -m benchmarks.bench_kernels --help
 """
 
 from __future__ import annotations

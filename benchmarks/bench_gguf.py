@@ -14,7 +14,7 @@ Steps (every artifact under --work is reused when present; delete it to redo a s
 llama-perplexity scores the second half of each window only, so its figures are comparable with each other,
 not with ``quantkit eval``'s.
 
-    python scripts/bench_gguf.py --methods rtn,gptq --json bench_gguf.json
+    python -m benchmarks.bench_gguf --methods rtn,gptq --json bench_gguf.json
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""Code the tests share: tiny models and tokenizers, the in-process CLI runner, runtime checkpoints."""

@@ -30,7 +30,7 @@ from quantkit.mixed.plan_file import save_plan
 from quantkit.mixed.planner import plan
 from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.methods import resolve_scheme, with_solver_options
+from quantkit.quantization.methods.composition import with_solver_options
 from quantkit.quantization.pipeline import quantize_model
 
 CANDIDATES = ["int3-g64", "int4-g128", "int4-g64", "int4-g32", "int8", "fp16"]
@@ -78,7 +78,7 @@ def main() -> None:
     console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
     budgets = [float(b) for b in args.budgets.split(",")]
     candidates = args.candidates.split(",")
-    options = resolve_scheme(args.method)  # the method's solver options (act-order, MSE clip) for every run
+    options = QuantizeConfig.of(args.method).resolved_scheme()  # the method's solver options for every run
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         calibration = CalibrationConfig(num_samples=args.samples, seq_len=args.seq_len)

@@ -21,74 +21,91 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from quantkit.eval.evaluate import EvalConfig, evaluate
 from quantkit.format.inspect import inspect_checkpoint
-from quantkit.quantization.solvers.tune import TuneConfig
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.composition import METHOD_ROLES
+from quantkit.quantization.methods.tune import TuneConfig
+from quantkit.quantization.options import config_from_options, options_to_args
+
+# The scheme options whose defaults depend on the method: every row spells them out, so that a change of a
+# method's defaults never changes what a row measures.
+SPELLED_OUT = {"act_order": False, "static_groups": True, "mse_clip": False}
 
 
 @dataclass(frozen=True)
 class Case:
-    method: str
-    bits: int
-    group: int
-    sym: bool
-    act_order: bool = False
-    mse_clip: bool = False
-    rotate: bool = False
-    tune_steps: int = 0
-    refit_head: bool = False
-    float_targets: bool = False
+    """One row: ``quantkit quantize`` options (by their parameter names, :func:`job_options`), and the
+    calibration text and window count when they are not the run's."""
+
+    options: tuple[tuple[str, Any], ...]
     dataset: str | None = None  # calibration text (None: the default, Austen prose)
     samples: int | None = None  # calibration windows (None: the run's --samples)
 
     @property
+    def values(self) -> dict[str, Any]:
+        return SPELLED_OUT | dict(self.options)
+
+    @property
+    def config(self) -> QuantizeConfig:
+        return config_from_options(self.values)
+
+    @property
+    def method(self) -> str:
+        return self.config.method
+
+    @property
     def storage(self) -> str:
         """The stored layout (what RTN is compared at), without solver options."""
-        group = "ch" if self.group == -1 else f"g{self.group}"
-        return f"w{self.bits}-{group}-{'sym' if self.sym else 'asym'}"
+        return "-".join(self.config.resolved_scheme().name.split("-")[:3])
 
     @property
     def scheme(self) -> str:
-        solver = ("-actorder" if self.act_order else "") + ("-mse" if self.mse_clip else "")
-        solver += "-float" if self.float_targets else ""
+        """The scheme's name, each algorithm beyond the method with the options it does not leave at their
+        defaults, the window count and the calibration text when they are the row's own."""
+        config = self.config
+        label = config.resolved_scheme().name
+        for step in config.steps:
+            if step.algorithm.role in METHOD_ROLES:
+                continue
+            changed = {
+                f.name: getattr(step.config, f.name)
+                for f in dataclasses.fields(step.config)
+                if getattr(step.config, f.name) != getattr(type(step.config)(), f.name)
+            }
+            label += f"+{step.name}" + (f"({', '.join(f'{k}={v}' for k, v in changed.items())})" if changed else "")
         return (
-            self.storage
-            + solver
-            + ("-rot" if self.rotate else "")
-            + (f"-tune{self.tune_steps}" if self.tune_steps else "")
-            + ("-refit" if self.refit_head else "")
+            label
             + (f"-{self.samples}w" if self.samples else "")
             + (f" [{Path(self.dataset).stem}]" if self.dataset else "")
         )
 
     def args(self) -> list[str]:
-        """Every solver option spelled out, so the CLI's method defaults never change what a row means."""
-        out = ["--method", self.method, "--bits", str(self.bits), "--group-size", str(self.group)]
-        out.append("--sym" if self.sym else "--asym")
-        out += ["--act-order", "--static-groups"] if self.act_order else ["--no-act-order"]
-        out.append("--mse-clip" if self.mse_clip else "--no-mse-clip")
-        out += ["--rotate", "hadamard" if self.rotate else "none", "--tune-steps", str(self.tune_steps)]
-        out.append("--refit-head" if self.refit_head else "--no-refit-head")
-        if self.method.endswith("gptq"):
-            out.append("--float-targets" if self.float_targets else "--no-float-targets")
-        return out
+        return options_to_args(self.values)
+
+
+def case(method: str, bits: int, group: int, sym: bool, *, dataset: str | None = None, samples: int | None = None,
+         **options: Any) -> Case:  # fmt: skip
+    base = {"method": method, "bits": bits, "group_size": group, "sym": sym}
+    return Case(tuple((base | options).items()), dataset, samples)
 
 
 def matrix(methods: list[str]) -> list[Case]:
     cases = []
     for group in (32, 64, 128):
         for sym in (True, False):
-            cases += [Case(m, 4, group, sym) for m in methods]
+            cases += [case(m, 4, group, sym) for m in methods]
             if "gptq" in methods:  # the GPTQ default (act-order, static groups, MSE clip) and act-order alone
-                cases.append(Case("gptq", 4, group, sym, act_order=True))
-                cases.append(Case("gptq", 4, group, sym, act_order=True, mse_clip=True))
-    cases += [Case(m, 8, -1, True) for m in methods]
+                cases.append(case("gptq", 4, group, sym, act_order=True))
+                cases.append(case("gptq", 4, group, sym, act_order=True, mse_clip=True))
+    cases += [case(m, 8, -1, True) for m in methods]
     if "gptq" in methods:
-        cases.append(Case("gptq", 8, -1, True, act_order=True, mse_clip=True))
+        cases.append(case("gptq", 8, -1, True, act_order=True, mse_clip=True))
     return cases
 
 
@@ -101,16 +118,16 @@ def frontier(tune_steps: int) -> list[Case]:
     rotated and tuned with the head refitted, and rotated with float targets and the head refitted (at the run's
     windows and at :data:`FLOAT_TARGET_SAMPLES`)."""
     cases = []
+    best = {"act_order": True, "mse_clip": True}  # GPTQ's defaults, spelled out
     for bits, group in ((4, 64), (4, -1), (3, 64), (3, 32)):
-        cases.append(Case("rtn", bits, group, True))
-        for rotate in (False, True):
+        cases.append(case("rtn", bits, group, True))
+        for rotate in ("none", "hadamard"):
             for steps in (0, tune_steps):
-                cases.append(Case("gptq", bits, group, True, True, True, rotate=rotate, tune_steps=steps))
-        cases.append(Case("gptq", bits, group, True, True, True, True, tune_steps, refit_head=True))
+                cases.append(case("gptq", bits, group, True, **best, rotate=rotate, tune_steps=steps))
+        cases.append(case("gptq", bits, group, True, **best, rotate="hadamard", tune_steps=tune_steps, refit_head=True))
         for samples in (None, FLOAT_TARGET_SAMPLES):
-            cases.append(
-                Case("gptq", bits, group, True, True, True, True, refit_head=True, float_targets=True, samples=samples)
-            )
+            quality = {"rotate": "hadamard", "refit_head": True, "float_targets": True}
+            cases.append(case("gptq", bits, group, True, **best, **quality, samples=samples))
     return cases
 
 
@@ -122,11 +139,12 @@ CALIBRATION_DIR = Path(__file__).resolve().parents[1] / "calibration"
 def calibration(tune_steps: int, rotate: bool, float_targets: bool) -> list[Case]:
     """W4 g64 sym, GPTQ default (with the frontier's rotation and tuning choice, or rotated with float targets and
     the head refitted on :data:`FLOAT_TARGET_SAMPLES` windows), once per calibration text."""
+    gptq = {"act_order": True, "mse_clip": True}
     if float_targets:
-        best = Case("gptq", 4, 64, True, True, True, True, refit_head=True, float_targets=True)
-        best = dataclasses.replace(best, samples=FLOAT_TARGET_SAMPLES)
+        quality = {"rotate": "hadamard", "refit_head": True, "float_targets": True}
+        best = case("gptq", 4, 64, True, **gptq, **quality, samples=FLOAT_TARGET_SAMPLES)
     else:
-        best = Case("gptq", 4, 64, True, True, True, rotate=rotate, tune_steps=tune_steps)
+        best = case("gptq", 4, 64, True, **gptq, rotate="hadamard" if rotate else "none", tune_steps=tune_steps)
     return [dataclasses.replace(best, dataset=str(CALIBRATION_DIR / t)) for t in CALIBRATION_TEXTS]
 
 

@@ -5,6 +5,7 @@ The Python face of the command line (names are imported on first use, so ``impor
     import quantkit
 
     config = quantkit.QuantizeConfig.for_method("gptq", scheme=quantkit.QuantScheme(bits=4, group_size=64))
+    # algorithms compose as a list, e.g. [RotationConfig(), GPTQConfig(), FloatTargetsConfig(), HeadRefitConfig()]
     result = quantkit.quantize("smollm2-135m", config, "smollm2-w4g64")
     print(quantkit.evaluate("smollm2-w4g64", quantkit.EvalConfig(reference="smollm2-135m", max_windows=20)))
     llm = quantkit.LLM("smollm2-w4g64")
@@ -20,7 +21,9 @@ __all__ = [
     "AWQConfig",
     "CalibrationConfig",
     "EvalConfig",
+    "FloatTargetsConfig",
     "GPTQConfig",
+    "HeadRefitConfig",
     "QuantScheme",
     "QuantizeConfig",
     "RTNConfig",
@@ -36,12 +39,14 @@ if TYPE_CHECKING:
     from quantkit.eval.evaluate import EvalConfig, evaluate
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantization.config import QuantizeConfig
+    from quantkit.quantization.methods.awq import AWQConfig
+    from quantkit.quantization.methods.float_targets import FloatTargetsConfig
+    from quantkit.quantization.methods.gptq import GPTQConfig
+    from quantkit.quantization.methods.head_refit import HeadRefitConfig
+    from quantkit.quantization.methods.rotation import RotationConfig
+    from quantkit.quantization.methods.rtn import RTNConfig
+    from quantkit.quantization.methods.tune import TuneConfig
     from quantkit.quantization.pipeline import quantize_model as quantize
-    from quantkit.quantization.solvers.awq import AWQConfig
-    from quantkit.quantization.solvers.gptq import GPTQConfig
-    from quantkit.quantization.solvers.grid import RTNConfig
-    from quantkit.quantization.solvers.tune import TuneConfig
-    from quantkit.rotation.config import RotationConfig
     from quantkit.runtime.llm import LLM
     from quantkit.runtime.sampling_params import SamplingParams
 
@@ -50,11 +55,13 @@ _LAZY: dict[str, tuple[str, str]] = {
     "quantize": ("quantkit.quantization.pipeline", "quantize_model"),
     "QuantizeConfig": ("quantkit.quantization.config", "QuantizeConfig"),
     "QuantScheme": ("quantkit.format.scheme", "QuantScheme"),
-    "RTNConfig": ("quantkit.quantization.solvers.grid", "RTNConfig"),
-    "GPTQConfig": ("quantkit.quantization.solvers.gptq", "GPTQConfig"),
-    "AWQConfig": ("quantkit.quantization.solvers.awq", "AWQConfig"),
-    "TuneConfig": ("quantkit.quantization.solvers.tune", "TuneConfig"),
-    "RotationConfig": ("quantkit.rotation.config", "RotationConfig"),
+    "RTNConfig": ("quantkit.quantization.methods.rtn", "RTNConfig"),
+    "GPTQConfig": ("quantkit.quantization.methods.gptq", "GPTQConfig"),
+    "AWQConfig": ("quantkit.quantization.methods.awq", "AWQConfig"),
+    "FloatTargetsConfig": ("quantkit.quantization.methods.float_targets", "FloatTargetsConfig"),
+    "TuneConfig": ("quantkit.quantization.methods.tune", "TuneConfig"),
+    "RotationConfig": ("quantkit.quantization.methods.rotation", "RotationConfig"),
+    "HeadRefitConfig": ("quantkit.quantization.methods.head_refit", "HeadRefitConfig"),
     "CalibrationConfig": ("quantkit.data.calibration", "CalibrationConfig"),
     "evaluate": ("quantkit.eval.evaluate", "evaluate"),
     "EvalConfig": ("quantkit.eval.evaluate", "EvalConfig"),

@@ -1,15 +1,22 @@
 """Files written so that a crash, a kill or a full disk never leaves a partial file under the final name: the
-data goes to a temporary name in the same directory, is flushed to disk, then renamed over the target."""
+data goes to a temporary name in the same directory, is flushed to disk, then renamed over the target.
+
+The temporary name is unpredictable and created exclusively without following a link (``O_EXCL | O_NOFOLLOW``),
+so nothing planted beside the target can redirect the write; names read back from files (a work directory's
+state, a shard index) go through :func:`inside`, which refuses one that would leave its directory."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import secrets
 import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from quantkit.errors import QuantkitError
 
 _NEARLY_FULL = 16 << 20  # bytes: a write that failed with less free space than this failed for want of space
 _NO_SPACE = ("no space left on device", "os error 28")
@@ -35,7 +42,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     however the writer reports it, raises an ENOSPC OSError naming ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = exclusive_temp(path)
     try:
         try:
             write(tmp)
@@ -50,6 +57,27 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
         _fsync_dir(path.parent)  # the rename itself survives a power loss
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def exclusive_temp(path: Path) -> Path:
+    """A new empty file beside ``path`` under an unpredictable name, created by this call alone (never a link)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644))
+        except FileExistsError:
+            continue
+        return tmp
+
+
+def inside(directory: Path, name: str, what: str = "file") -> Path:
+    """``directory / name`` for a plain name read from a file; a name that would leave the directory (absolute,
+    with a separator, ``..``) is refused in one line, as a damaged or crafted file."""
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise QuantkitError(
+            f"{what} name {name!r} in {directory} would leave the directory; the file naming it is damaged or crafted"
+        )
+    return Path(directory) / name
 
 
 def write_text(path: Path, text: str) -> None:

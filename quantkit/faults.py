@@ -1,13 +1,17 @@
 """Named commit points where the fault-injection tests kill the process, as ``kill -9`` would.
 
 ``QUANTKIT_FAULT=<point>`` kills at the first time the point is reached, ``<point>@N`` at the N-th time (1-based).
-Unset (always, outside the tests), a commit point costs one environment lookup.
+``QUANTKIT_STALL=<point>=<file>`` holds the run at the point's first pass while ``<file>`` exists (it first writes
+``<file>.reached``), so a test can act while a run is known to be in the middle of its work.
+Unset (always, outside the tests), a commit point costs two environment lookups.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
+from pathlib import Path
 
 POINTS = (
     "block-written",  # a finished block's tensors renamed into the work directory
@@ -23,7 +27,15 @@ _reached: Counter[str] = Counter()
 
 
 def commit_point(name: str) -> None:
-    """Die here, without cleanup, when ``QUANTKIT_FAULT`` names this point (and, with ``@N``, its N-th pass)."""
+    """Die here, without cleanup, when ``QUANTKIT_FAULT`` names this point (and, with ``@N``, its N-th pass); wait
+    here while ``QUANTKIT_STALL``'s file exists when it names this point."""
+    stall = os.environ.get("QUANTKIT_STALL")
+    if stall and stall.partition("=")[0] == name and not _reached[f"stall:{name}"]:
+        _reached[f"stall:{name}"] += 1
+        gate = Path(stall.partition("=")[2])
+        gate.with_name(gate.name + ".reached").touch()
+        while gate.exists():
+            time.sleep(0.02)
     wanted = os.environ.get("QUANTKIT_FAULT")
     if not wanted:
         return

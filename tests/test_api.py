@@ -47,14 +47,19 @@ def test_solver_lists_and_method_spellings_are_one_thing() -> None:
     composed = quantkit.QuantizeConfig.of([quantkit.AWQConfig(), quantkit.GPTQConfig(damp=0.02)])
     spelled = quantkit.QuantizeConfig.of("awq+gptq")
     assert composed.method == spelled.method == "awq+gptq"
-    assert composed.gptq is not None and composed.gptq.damp == 0.02 and spelled.gptq == quantkit.GPTQConfig()
+    assert composed.steps.solver.config.damp == 0.02 and spelled.steps.solver.config == quantkit.GPTQConfig()
     assert quantkit.QuantizeConfig.of(quantkit.GPTQConfig()).method == "gptq"
     assert quantkit.QuantizeConfig.of(None).method == "gptq"
     # the method's default scheme: AWQ asymmetric, GPTQ act-order with static groups and MSE clipping
     assert not spelled.resolved_scheme().symmetric and spelled.resolved_scheme().act_order
     gptq = quantkit.QuantizeConfig.of("gptq").resolved_scheme()
     assert (gptq.symmetric, gptq.act_order, gptq.static_groups, gptq.mse_clip) == (True, True, True, True)
-    with pytest.raises(quantkit.errors.QuantkitError, match=r"cannot quantize with \[AWQConfig\]"):
+    with pytest.raises(quantkit.errors.QuantkitError, match=r"exactly one weight solver \(rtn, gptq\); it has none"):
         quantkit.QuantizeConfig.of(quantkit.AWQConfig())
-    with pytest.raises(quantkit.errors.QuantkitError, match=r"cannot quantize with \[GPTQConfig, AWQConfig\]"):
-        quantkit.QuantizeConfig.of([quantkit.GPTQConfig(), quantkit.AWQConfig()])
+    # each algorithm runs at its role's place, whatever the order written
+    assert quantkit.QuantizeConfig.of([quantkit.GPTQConfig(), quantkit.AWQConfig()]).method == "awq+gptq"
+    tuned = quantkit.QuantizeConfig.for_method("gptq", quantkit.TuneConfig(steps=3), quantkit.RotationConfig())
+    assert [type(s.config).__name__ for s in tuned.steps] == ["RotationConfig", "GPTQConfig", "TuneConfig"]
+    assert quantkit.QuantizeConfig.for_method("gptq", quantkit.TuneConfig(steps=0)).steps.method == "gptq"
+    with pytest.raises(quantkit.errors.QuantkitError, match="method 'gptq' has no awq step"):
+        quantkit.QuantizeConfig.for_method("gptq", quantkit.AWQConfig())

@@ -128,7 +128,7 @@ def test_a_recipe_with_smoke_fails_before_its_first_stage_without_the_serve_extr
         f"""\
 model: {tiny_model_dir}
 calibration: {{dataset: {text_corpus}, num_samples: 8, seq_len: 32}}
-quantization: {{method: rtn, scheme: {{bits: 4, group_size: 32}}}}
+quantization: {{solvers: [rtn], scheme: {{bits: 4, group_size: 32}}}}
 output: {{directory: {tmp_path / "ckpt"}, force: true}}
 evaluation: {{dataset: {text_corpus}, seq_len: 32, windows: 2}}
 gates: {{max_ppl_increase_pct: 1000}}

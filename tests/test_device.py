@@ -75,7 +75,6 @@ def test_every_command_refuses_a_missing_cuda_in_one_line(
 
 
 def test_serve_refuses_a_bad_device_before_loading(tiny_model_dir, capsys) -> None:
-    pytest.importorskip("fastapi")
     code, _, err = run_cli(["serve", str(tiny_model_dir), "--device", "gpu"], capsys)
     assert code == 2 and "device 'gpu' is invalid; use one of auto, cpu, cuda" in " ".join(err.split())
 

@@ -1,6 +1,10 @@
 """The package's layering, checked over every import (module-level and lazy, inside functions), so that a wrong
-arrow fails CI: ``format/`` knows no algorithm and stands under both the quantizer and the runtime; ``runtime/``
-and ``server/`` load no solver; ``data/`` and ``eval/`` load no solver; ``quantization/`` never reads plan files."""
+arrow fails CI: ``format/`` knows no algorithm and stands under both the quantizer and the runtime; the algorithms
+(``quantization/methods/`` and the pure math in ``quantization/solvers/``) import the foundation, ``format`` and
+``model`` (plus the rotation math and the statistics they read), never the block loop; the block loop
+(``quantization/``) reaches the algorithms through the registry only and names none of them; ``runtime/`` and
+``server/`` load no solver; ``data/`` and ``eval/`` load no solver; ``quantization/`` never reads plan files.
+docs/internals.md states the same rules."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "quantkit"
 # the root (for __version__) and what imports nothing (extras: which optional extra provides which module)
-FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "memory", "extras", "device"}
+FOUNDATION = {"quantkit", "errors", "progress", "atomic", "faults", "memory", "extras", "device", "redaction"}
 
 # area -> the areas it may import, besides itself and the foundation
 ALLOWED: dict[str, set[str]] = {
@@ -22,21 +26,43 @@ ALLOWED: dict[str, set[str]] = {
     "faults": set(),
     "memory": set(),
     "device": set(),  # the --device rule: imports torch and errors only
+    "redaction": set(),
     "extras": set(),
     "schemas": set(),
     "format": set(),
     "model": {"format"},
     "data": {"model"},
     "eval": {"data", "model", "format"},
-    "quantization.solvers": {"format"},  # pure functions: weights (+ statistics) in, integers out
+    "quantization.solvers": {"format"},  # pure functions: weights (+ statistics) in, integers out; no file I/O
+    "quantization.statistics": set(),  # sums and counts of calibration activations
+    # one module per algorithm: its config, capabilities and hooks, programmed against the hooks' views
+    "quantization.methods": {"quantization.solvers", "quantization.statistics", "format", "model", "rotation"},
     "rotation": {"model"},
-    "quantization": {"quantization.solvers", "data", "model", "format", "rotation"},
-    "mixed": {"quantization", "quantization.solvers", "data", "model", "format", "eval", "schemas"},
+    "quantization": {
+        "quantization.methods",
+        "quantization.solvers",
+        "quantization.statistics",
+        "data",
+        "model",
+        "format",
+    },
+    "mixed": {
+        "quantization",
+        "quantization.methods",
+        "quantization.solvers",
+        "quantization.statistics",
+        "data",
+        "model",
+        "format",
+        "eval",
+        "schemas",
+    },
     "recipes": {
         "rotation",
         "export",
         "mixed",
         "quantization",
+        "quantization.methods",
         "quantization.solvers",
         "data",
         "model",
@@ -50,7 +76,12 @@ ALLOWED: dict[str, set[str]] = {
     "server": {"runtime", "format", "model"},
     "bench": {"runtime", "format", "model", "data"},  # drives the engine on shipped text; HF baseline via format
 }
-ANYTHING = {"cli", "__init__", "__main__"}  # the faces of the package: the CLI and the lazy Python API
+ANYTHING = {"cli", "__init__", "__main__"}
+SUB_AREAS = {
+    "quantization.solvers",
+    "quantization.methods",
+    "quantization.statistics",
+}  # the faces of the package: the CLI and the lazy Python API
 _MODULE_STRING = re.compile(r"^quantkit(\.[A-Za-z_]\w*)+$")
 
 
@@ -59,8 +90,8 @@ def area(module: str) -> str:
     parts = module.split(".")[1:]
     if not parts:
         return "quantkit"
-    if parts[:2] == ["quantization", "solvers"]:
-        return "quantization.solvers"
+    if parts[0] == "quantization" and len(parts) > 1 and f"quantization.{parts[1]}" in SUB_AREAS:
+        return f"quantization.{parts[1]}"
     return parts[0]
 
 
@@ -125,6 +156,59 @@ def test_every_folder_of_the_package_has_a_rule() -> None:
     assert folders - set(ALLOWED) - ANYTHING == set()
 
 
+# the block loop may use the registry's own modules, never an algorithm's
+REGISTRY_MODULES = {"registry", "composition", "hooks", "records"}
+
+
+def algorithm_names(root: Path) -> set[str]:
+    """The algorithm modules under quantization/methods/ and the config classes they define."""
+    names = set()
+    for path in (root / "quantization" / "methods").glob("*.py"):
+        if path.stem in REGISTRY_MODULES or path.stem == "__init__":
+            continue
+        names.add(path.stem)
+        tree = ast.parse(path.read_text())
+        names |= {n.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name.endswith("Config")}
+    return names
+
+
+def block_loop_naming_algorithms(root: Path) -> list[str]:
+    """Imports of an algorithm module, or mentions of an algorithm config, in the block loop (quantization/*.py)."""
+    names = algorithm_names(root)
+    configs = {n for n in names if n.endswith("Config")}
+    problems = []
+    for path in sorted((root / "quantization").glob("*.py")):
+        name = module_name(path, root)
+        for line, module in imported_modules(path, name):
+            parts = module.split(".")
+            if parts[:3] == ["quantkit", "quantization", "methods"] and len(parts) > 3 and parts[3] in names:
+                problems.append(f"{path.relative_to(root.parent)}:{line}: imports the algorithm {module}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Name) and node.id in configs:
+                problems.append(f"{path.relative_to(root.parent)}:{node.lineno}: names {node.id}")
+    return problems
+
+
+def test_the_block_loop_names_no_algorithm() -> None:
+    assert algorithm_names(PACKAGE) >= {"gptq", "rtn", "awq", "tune", "GPTQConfig", "TuneConfig"}
+    assert block_loop_naming_algorithms(PACKAGE) == []
+
+
+def test_a_planted_algorithm_in_the_block_loop_is_caught(tmp_path: Path) -> None:
+    root = tmp_path / "quantkit"
+    for path in PACKAGE.rglob("*.py"):
+        target = root / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    planted = root / "quantization" / "quantize_block.py"
+    planted.write_text(
+        planted.read_text() + "\n\ndef _planted():\n    from quantkit.quantization.methods.gptq import GPTQConfig\n"
+        "    return GPTQConfig()\n"
+    )
+    found = block_loop_naming_algorithms(root)
+    assert len(found) == 2 and "imports the algorithm" in found[0] and "names GPTQConfig" in found[1]
+
+
 @pytest.mark.parametrize(
     ("where", "line", "wrong"),
     [
@@ -138,6 +222,11 @@ def test_every_folder_of_the_package_has_a_rule() -> None:
             "quantization/solvers/gptq.py",
             "from quantkit.model.blocks import get_module",
             "quantization.solvers must not",
+        ),
+        (
+            "quantization/methods/gptq.py",
+            "from quantkit.quantization.block_loop import stage_hessians",
+            "quantization.methods must not",
         ),
     ],
 )

@@ -68,7 +68,7 @@ def test_recipe_interrupted_in_quantize_resumes_on_the_next_run(
         f"""\
 model: {tiny_model_dir}
 calibration: {{dataset: {text_corpus}, num_samples: 8, seq_len: 32}}
-quantization: {{method: gptq, scheme: {{bits: 4, group_size: 32}}}}
+quantization: {{solvers: [gptq], scheme: {{bits: 4, group_size: 32}}}}
 output: {{directory: {tmp_path / "ckpt"}, force: true}}
 evaluation: {{dataset: {text_corpus}, seq_len: 32, windows: 2}}
 gates: {{max_ppl_increase_pct: 1000}}

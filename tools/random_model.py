@@ -2,8 +2,11 @@
 
 For measurements that need a model's shapes but not its knowledge (memory, time, kernels, parity), where the real
 weights are too large to copy or not at hand. The weights are drawn tensor by tensor straight into the storage
-dtype and written shard by shard, so building holds about one shard in memory. A directory that already holds the
-same build (same preset, dtype, seed, shard size and tokenizer, recorded in ``random_model.json``) is reused.
+dtype and written shard by shard, so building holds about one shard in memory. ``--device cuda`` draws them on the
+GPU (one CPU thread needs minutes for 6.7B values; the GPU draws them at once and writing the shards is what is left).
+``--layers N`` keeps the preset's width with N decoder layers (to time per-layer work at a large width). A directory
+that already holds the same build (same preset, layers, dtype, seed, device, shard size and tokenizer, recorded in
+``random_model.json``) is reused.
 
 Presets (``PRESETS``): ``llama3.2-1b`` (hidden 2048, 16 layers, 32/8 heads, intermediate 8192, vocab 128256, tied
 embeddings, rope theta 500000), ``smollm2-135m`` (576, 30 layers, 9/3 heads, 1536, vocab 49152, tied),
@@ -13,7 +16,8 @@ Tokenizer: ``--tokenizer DIR`` copies a tokenizer's files (its vocabulary must f
 word-level tokenizer of exactly the model's vocabulary size is built from the shipped Persuasion text (most words
 of the text, then placeholder tokens), so nothing outside the repository is needed.
 
-    python -m tools.random_model llama2-7b /tmp/llama7b --dtype float16
+    python -m tools.random_model llama2-7b /tmp/llama7b --dtype float16 --device cuda
+    python -m tools.random_model llama2-7b /tmp/llama7b-8 --dtype float16 --device cuda --layers 8
     python -m tools.random_model llama3.2-1b /work/tmp/scale/model --tokenizer ~/.cache/quantkit/models/smollm2-135m
 """
 
@@ -25,7 +29,7 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -70,6 +74,7 @@ class Build:
     shard_mb: int
     init_std: float  # every matrix ~ N(0, init_std); norms are ones
     tokenizer: str  # the copied tokenizer's directory, or "built"
+    device: str = "cpu"  # where the weights were drawn (a CUDA generator draws other values than the CPU one)
 
 
 def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
@@ -101,9 +106,10 @@ def parameter_count(shape: Shape) -> int:
 
 
 def _random_tensor(size: tuple[int, ...], dtype: torch.dtype, std: float, gen: torch.Generator) -> torch.Tensor:
+    """On the CPU, drawn on the generator's device."""
     if len(size) == 1:
         return torch.ones(size, dtype=dtype)  # RMSNorm weights
-    return torch.empty(size, dtype=dtype).normal_(0.0, std, generator=gen)
+    return torch.empty(size, dtype=dtype, device=gen.device).normal_(0.0, std, generator=gen).cpu()
 
 
 def write_weights(out: Path, build: Build) -> int:
@@ -111,7 +117,7 @@ def write_weights(out: Path, build: Build) -> int:
     from safetensors.torch import save_file
 
     dtype, limit = DTYPES[build.dtype], build.shard_mb * 1_000_000
-    gen = torch.Generator().manual_seed(build.seed)
+    gen = torch.Generator(device=build.device).manual_seed(build.seed)
     shards: list[list[str]] = []
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = total = 0
@@ -210,9 +216,13 @@ def build_random_model(
     shard_mb: int = 1000,
     init_std: float = 0.02,
     tokenizer: Path | None = None,
+    device: str = "cpu",
+    layers: int | None = None,
 ) -> Path:
-    """The model directory ``out`` (built unless it already holds this very build)."""
-    build = Build(preset, PRESETS[preset], dtype, seed, shard_mb, init_std, str(tokenizer) if tokenizer else "built")
+    """The model directory ``out`` (built unless it already holds this very build); ``layers`` replaces the preset's
+    depth."""
+    shape = PRESETS[preset] if layers is None else replace(PRESETS[preset], layers=layers)
+    build = Build(preset, shape, dtype, seed, shard_mb, init_std, str(tokenizer) if tokenizer else "built", device)
     record = json.loads(json.dumps(asdict(build)))
     if (out / BUILD_RECORD).is_file() and json.loads((out / BUILD_RECORD).read_text()) == record:
         return out
@@ -235,11 +245,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-mb", type=int, default=1000, help="largest shard, MB (10^6 bytes)")
     parser.add_argument("--init-std", type=float, default=0.02, help="standard deviation of every matrix")
     parser.add_argument("--tokenizer", type=Path, help="copy this directory's tokenizer (default: build one)")
+    parser.add_argument("--device", default="cpu", help="draw the weights here (cpu, cuda, cuda:N)")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device}: torch sees no CUDA device here; use --device cpu")
+    if args.layers is not None and args.layers < 1:
+        raise SystemExit(f"--layers {args.layers}: give at least 1")
     options = vars(args)  # the options are build_random_model's keyword arguments
     preset = options.pop("preset")
     out = build_random_model(options.pop("out"), preset, **options)
-    params = parameter_count(PRESETS[preset])
+    shape = PRESETS[preset] if args.layers is None else replace(PRESETS[preset], layers=args.layers)
+    params = parameter_count(shape)
     print(f"{out}: {preset}, {params / 1e6:.0f}M parameters, {args.dtype}")
     return 0
 

@@ -3,7 +3,7 @@
 ``--json OUT`` writes one object (times in seconds unless the key says otherwise):
 
 - ``model``; ``workload``: ``kind``, ``requests``, ``seed``, ``concurrency`` (null: all at once), ``prompt_tokens``
-  and ``max_tokens`` (totals); ``engine``: the EngineConfig fields
+  and ``max_tokens`` (totals); ``engine``: the EngineConfig fields (every one is an option of the command)
 - ``wall_s``, ``requests_per_s``, ``output_tokens``, ``output_tokens_per_s``, ``steps`` (engine steps that ran a
   batch), ``preemptions``
 - ``ttft_s`` and ``tpot_s``: ``p50``, ``p95``, ``mean`` (from the engine's arrival / first-token / finish stamps)
@@ -30,13 +30,8 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from quantkit.cli.app import DeviceOption, JsonOption, app, out, write_json_option
-from quantkit.cli.engine_options import (
-    DraftModelOption,
-    KvCacheDtypeOption,
-    NumSpeculativeTokensOption,
-    SpeculativeOption,
-)
+from quantkit.cli.app import JsonOption, app, out, write_json_option
+from quantkit.cli.engine_options import engine_options
 from quantkit.runtime.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -46,8 +41,10 @@ if TYPE_CHECKING:
 
 
 @app.command()
+@engine_options(help={"seed": "Seeds the workload (same seed, same requests) and the engine's sampling."})
 def bench(
     model: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory, hub id or alias.")],
+    config: EngineConfig,
     requests: Annotated[int, typer.Option(help="Requests in the workload.")] = 32,
     concurrency: Annotated[
         int | None, typer.Option(help="Requests in flight at most; a new one starts as one finishes (default: all).")
@@ -55,7 +52,6 @@ def bench(
     workload: Annotated[
         str, typer.Option(help="free (continue a passage), copy (quote a passage, copy-heavy) or mixed.")
     ] = "free",
-    seed: Annotated[int, typer.Option(help="Workload seed (same seed, same requests).")] = 0,
     compare_hf: Annotated[
         bool, typer.Option(help="Also run the requests through HF generate in static batches; compare.")
     ] = False,
@@ -64,16 +60,6 @@ def bench(
         Path | None, typer.Option(help="Write a Chrome trace of the run (torch.profiler; open in Perfetto).")
     ] = None,
     json_out: JsonOption = None,
-    speculative: SpeculativeOption = EngineConfig.speculative,
-    num_speculative_tokens: NumSpeculativeTokensOption = EngineConfig.num_speculative_tokens,
-    draft_model: DraftModelOption = EngineConfig.draft_model,
-    kv_cache_dtype: KvCacheDtypeOption = EngineConfig.kv_cache_dtype,
-    max_num_seqs: Annotated[
-        int, typer.Option(help="Sequences in the running batch at most.")
-    ] = EngineConfig.max_num_seqs,
-    dtype: Annotated[str, typer.Option(help="Compute dtype: auto, float32, bfloat16, float16.")] = EngineConfig.dtype,
-    backend: Annotated[str, typer.Option(help="Attention backend: auto, torch or triton.")] = EngineConfig.backend,
-    device: DeviceOption = EngineConfig.device,
 ) -> None:
     """Benchmark the serving runtime on a seeded workload: throughput, TTFT/TPOT, memory, a per-stage profile."""
     import torch
@@ -82,27 +68,19 @@ def bench(
     from quantkit.bench.run import run_engine, warm_up
     from quantkit.bench.workload import KINDS, make_workload
     from quantkit.errors import QuantkitError
+    from quantkit.memory import keep_freed_memory_for_reuse
     from quantkit.runtime.engine import Engine
 
-    config = EngineConfig(
-        max_num_seqs=max_num_seqs,
-        dtype=dtype,
-        backend=backend,
-        kv_cache_dtype=kv_cache_dtype,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        draft_model=draft_model,
-        device=device,
-    )
     if workload not in KINDS:
         raise QuantkitError(f"--workload {workload} is invalid; use one of {', '.join(KINDS)}")
     for name, value in (("requests", requests), ("concurrency", concurrency), ("hf-batch-size", hf_batch_size)):
         if value is not None and value < 1:
             raise QuantkitError(f"--{name} {value} is invalid; use an integer >= 1")
+    keep_freed_memory_for_reuse()  # the decode loop reuses the same temporaries (quantkit/memory.py)
     engine = Engine(model, config)
     if engine.tokenizer is None:
         raise QuantkitError(f"{engine.path} has no tokenizer; the benchmark cuts its prompts from text")
-    reqs = make_workload(engine.tokenizer, requests, workload, seed, engine.max_model_len)
+    reqs = make_workload(engine.tokenizer, requests, workload, config.seed, engine.max_model_len)
     lens, maxes = [len(r.prompt) for r in reqs], [r.max_tokens for r in reqs]
     out.print(
         f"{len(reqs)} {workload} requests, prompts {min(lens)}-{max(lens)} tokens, max_tokens {min(maxes)}-"
@@ -118,7 +96,7 @@ def bench(
         run = run_engine(engine, reqs, concurrency)
     eos = frozenset(engine.scheduler.eos_token_ids)
     hf = _run_hf(engine, reqs, hf_batch_size, eos) if compare_hf else None
-    info = {"kind": workload, "requests": requests, "seed": seed, "concurrency": concurrency}
+    info = {"kind": workload, "requests": requests, "seed": config.seed, "concurrency": concurrency}
     report = build_report(model, info, config, reqs, run, hf, eos, profile)
     render(report, out)
     write_json_option(json_out, report)

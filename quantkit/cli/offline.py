@@ -4,22 +4,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
 from quantkit.cli.app import DeviceOption, JsonOption, ModelOption, app, err, out, write_json_option
+from quantkit.cli.job_options import with_job_options
 from quantkit.data.calibration import FORCE_SMALL_FLAG, MIN_TEXT_COVERAGE, CalibrationConfig
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS
-from quantkit.format.engines import LAYOUT_POLICY_HELP
-from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
-from quantkit.quantization.methods import METHODS
-from quantkit.quantization.solvers.gptq import GPTQConfig
-from quantkit.quantization.solvers.tune import TuneConfig
-from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
 
 NumSamples = Annotated[int, typer.Option(help="Number of windows.")]
 SeqLen = Annotated[int, typer.Option(help="Tokens per window.")]
@@ -134,41 +128,10 @@ def eval_(
 
 
 @app.command()
+@with_job_options
 def quantize(
     model: Annotated[str, typer.Argument(help="Float model: local HF directory, hub id, or alias (smollm2-135m).")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")],
-    method: Annotated[str, typer.Option(help=f"{', '.join(METHODS)}.")] = DEFAULT_METHOD,
-    bits: Annotated[int, typer.Option(help="Weight bits: 2, 3, 4 or 8.")] = QuantScheme.bits,
-    group_size: Annotated[
-        int, typer.Option(help="Columns per scale group; -1 for per-channel.")
-    ] = QuantScheme.group_size,
-    sym: Annotated[
-        bool | None,
-        typer.Option("--sym/--asym", help="Symmetric or asymmetric (default: sym; asym for AWQ, as in AutoAWQ)."),
-    ] = None,
-    act_order: Annotated[
-        bool | None,
-        typer.Option(help="GPTQ: columns by descending Hessian diagonal (default: on for gptq and awq+gptq)."),
-    ] = None,
-    static_groups: Annotated[
-        bool | None, typer.Option(help="With --act-order: groups fixed in column order (no g_idx; default on).")
-    ] = None,
-    mse_clip: Annotated[
-        bool | None,
-        typer.Option(help="Search a shrunken range per group, weighted by the Hessian (default: on for gptq)."),
-    ] = None,
-    damp: Annotated[float, typer.Option(help="GPTQ damping, as a fraction of the mean Hessian diagonal.")] = (
-        GPTQConfig.damp
-    ),
-    block_size: Annotated[int, typer.Option(help="GPTQ lazy-update block size.")] = GPTQConfig.block_size,
-    float_targets: Annotated[
-        bool,
-        typer.Option(
-            help="GPTQ: fit each linear to the float model's outputs (and the residual stream's error), not to its "
-            "own outputs on the quantized inputs (GPTAQ); a regression on the calibration tokens: use 256 windows, "
-            "and --rotate hadamard (unrotated outlier channels make it worse than plain GPTQ)."
-        ),
-    ] = GPTQConfig.float_targets,
     calib: Annotated[
         Path | None,
         typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
@@ -184,71 +147,23 @@ def quantize(
     ] = CalibrationConfig.num_samples,
     seq_len: Annotated[int, typer.Option(help="Without --calib: tokens per window.")] = CalibrationConfig.seq_len,
     allow_small_calibration: AllowSmallCalibration = CalibrationConfig.allow_small,
-    ignore: Annotated[
-        list[str] | None, typer.Option(help="Regex of linears to keep in float (repeatable); lm_head always is.")
-    ] = None,
     plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
-    rotate: Annotated[
-        str, typer.Option(help=f"Rotation folded into the weights before solving: {', '.join(ROTATION_KINDS)}.")
-    ] = RotationConfig().kind,
-    rotate_seed: Annotated[int, typer.Option(help="Seed of the rotation's random signs.")] = RotationConfig().seed,
-    tune_steps: Annotated[
-        int, typer.Option(help="Block-output tuning of rounding and scales after the solver: steps per block (0: off).")
-    ] = 0,
-    tune_lr: Annotated[
-        float, typer.Option(help="Tuning: Adam learning rate of the rounding offsets (decays linearly to 0).")
-    ] = TuneConfig.lr,
-    tune_scale_lr: Annotated[
-        float, typer.Option(help="Tuning: Adam learning rate of the group-scale multipliers.")
-    ] = TuneConfig.scale_lr,
-    tune_batch_windows: Annotated[
-        int, typer.Option(help="Tuning: calibration windows per step.")
-    ] = TuneConfig.batch_windows,
-    refit_head: Annotated[
-        bool,
-        typer.Option(help="Refit the float head to the quantized body (needs an untied head, or --rotate)."),
-    ] = QuantizeConfig.refit_head,
-    layout_policy: Annotated[str, typer.Option(help=LAYOUT_POLICY_HELP)] = QuantizeConfig.layout_policy,
     formats: Annotated[
         list[str] | None,
         typer.Option("--format", help="Also export: gptq (<out>-gptq/) or gguf (<out>.gguf); repeatable."),
     ] = None,
-    resume: Annotated[bool, typer.Option(help="Continue an interrupted run after its last finished block.")] = False,
-    force: Annotated[
-        bool, typer.Option(help="Replace an existing output directory (once the new one is done).")
-    ] = False,
-    batch_size: Annotated[int, typer.Option(help="Calibration windows per forward pass.")] = QuantizeConfig.batch_size,
-    max_shard_size: Annotated[
-        int, typer.Option(help="Largest checkpoint shard, in MB (held in memory).")
-    ] = QuantizeConfig.max_shard_bytes // 1_000_000,
-    device: DeviceOption = QuantizeConfig.device,
     json_out: JsonOption = None,
+    job_values: dict | None = None,
 ) -> None:
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
-    from quantkit.quantization.methods import check_float_targets, expand_method, resolve_scheme
+    from quantkit.memory import map_large_allocations
+    from quantkit.quantization.options import config_from_options
     from quantkit.quantization.pipeline import quantize_model
 
-    check_float_targets(method, float_targets)
-    gptq = GPTQConfig(damp=damp, block_size=block_size, float_targets=float_targets)  # checked for every method
-    options = {"symmetric": sym, "act_order": act_order, "static_groups": static_groups, "mse_clip": mse_clip}
-    config = QuantizeConfig(
-        solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(method)],
-        scheme=resolve_scheme(method, bits=bits, group_size=group_size, **options),
-        calibration=CalibrationConfig(
-            dataset=dataset, num_samples=num_samples, seq_len=seq_len, allow_small=allow_small_calibration
-        ),
-        calibration_file=calib,
-        ignore=list(ignore or []),
-        rotation=RotationConfig(kind=rotate, seed=rotate_seed),  # type: ignore[arg-type]
-        tune=TuneConfig(steps=tune_steps, lr=tune_lr, scale_lr=tune_scale_lr, batch_windows=tune_batch_windows),
-        refit_head=refit_head,
-        layout_policy=layout_policy,
-        resume=resume,
-        force=force,
-        batch_size=batch_size,
-        max_shard_bytes=max_shard_size * 1_000_000,
-        device=device,
+    calibration = CalibrationConfig(
+        dataset=dataset, num_samples=num_samples, seq_len=seq_len, allow_small=allow_small_calibration
     )
+    config = config_from_options(job_values or {}, calibration=calibration, calibration_file=calib)
     if plan is not None:
         from quantkit.mixed.plan_apply import planned_schemes
 
@@ -261,12 +176,20 @@ def quantize(
 
         check_exports_of_model(resolve_model(model), exports)
     if not config.needs_calibration and calib is not None:
-        err.print(f"note: rtn is data-free; the calibration file '{calib}' is not used")
+        err.print(f"note: {config.method} is data-free; the calibration file '{calib}' is not used")
     if calib is not None and dataset is not None:
         err.print(f"note: --calib '{calib}' holds the windows; --dataset is not used")
+    map_large_allocations()  # the offline policy for this process: see quantkit/memory.py
     result = quantize_model(model, config, output)
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
+    out.print(_result_table(model, output, result))
+    summaries = _export_all(output, exports)
+    exported = {"exports": [asdict(s) for s in summaries]} if summaries else {}
+    write_json_option(json_out, asdict(result) | {"output": str(result.output)} | exported)
+
+
+def _result_table(model: str, output: Path, result: Any) -> Table:
     table = Table(title=f"Quantized {model} -> {output} (on {result.device})", title_justify="left")
     columns = ["method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"]
     if result.peak_device_mb is not None:
@@ -286,10 +209,7 @@ def quantize(
     if result.peak_device_mb is not None:
         row.insert(6, f"{result.peak_device_mb:.0f}")
     table.add_row(*row)
-    out.print(table)
-    summaries = _export_all(output, exports)
-    exported = {"exports": [asdict(s) for s in summaries]} if summaries else {}
-    write_json_option(json_out, asdict(result) | {"output": str(result.output)} | exported)
+    return table
 
 
 def _export_all(checkpoint: Path, formats: list[str]) -> list:

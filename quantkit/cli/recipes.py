@@ -22,11 +22,13 @@ def run_(
     report: Annotated[Path | None, typer.Option(help="Report directory (default: <output>/report).")] = None,
 ) -> None:
     """Run a recipe: calibrate, quantize, evaluate, check the gates; exit 1 when a gate fails."""
+    from quantkit.memory import map_large_allocations
     from quantkit.recipes.report import render_tables
     from quantkit.recipes.run import run_recipe
     from quantkit.recipes.schema import load_recipe
 
     loaded = load_recipe(recipe, list(set_ or []))
+    map_large_allocations()  # the offline policy for this process (quantkit/memory.py), its smoke stage included
     result = run_recipe(loaded, recipe_path=recipe, report_dir=report, console=out)
     for table in render_tables(result):
         out.print(table)
@@ -46,10 +48,11 @@ def recipe_validate(
     set_: SetOption = None,
 ) -> None:
     """Check a recipe against the schema (keys, types, values, regexes, ${ENV}); print the resolved recipe."""
-    from quantkit.recipes.schema import dump_recipe, load_recipe
+    from quantkit.recipes.schema import dump_recipe, load_recipe, recipe_secrets
+    from quantkit.redaction import redact
 
     loaded = load_recipe(recipe, list(set_ or []))
-    out.print(escape(dump_recipe(loaded)), end="")
+    out.print(escape(redact(dump_recipe(loaded), recipe_secrets(loaded))), end="")
     out.print(f"[green]{escape(str(recipe))} is valid[/]")
 
 

@@ -7,30 +7,21 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from quantkit.cli.app import DeviceOption, JsonOption, app, fail, out, write_json_option
-from quantkit.cli.engine_options import (
-    DraftModelOption,
-    KvCacheDtypeOption,
-    NumSpeculativeTokensOption,
-    SpeculativeOption,
-)
+from quantkit.cli.app import JsonOption, app, fail, out, write_json_option
+from quantkit.cli.engine_options import engine_options
+from quantkit.memory import keep_freed_memory_for_reuse
+from quantkit.runtime.config import EngineConfig
 from quantkit.server.config import ServeConfig
+from quantkit.server.smoke import SMOKE_MAX_TOKENS
 
 
 @app.command()
+@engine_options
 def serve(
     model: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory, hub id or alias.")],
+    engine: EngineConfig,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = ServeConfig.host,
     port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = ServeConfig.port,
-    max_num_seqs: Annotated[
-        int, typer.Option(help="Sequences in the running batch at most.")
-    ] = ServeConfig.max_num_seqs,
-    max_model_len: Annotated[
-        int | None, typer.Option(help="Prompt + completion tokens at most.")
-    ] = ServeConfig.max_model_len,
-    kv_cache_blocks: Annotated[
-        int | None, typer.Option(help="KV-cache blocks (default: sized from memory).")
-    ] = ServeConfig.kv_cache_blocks,
     api_key: Annotated[
         str | None, typer.Option(envvar="QUANTKIT_API_KEY", help="Require this bearer token (not on /health).")
     ] = ServeConfig.api_key,
@@ -54,11 +45,6 @@ def serve(
         float, typer.Option(help="Seconds a client has to send its whole request body; a slower one gets 408.")
     ] = ServeConfig.body_timeout,
     log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
-    kv_cache_dtype: KvCacheDtypeOption = ServeConfig.kv_cache_dtype,
-    speculative: SpeculativeOption = ServeConfig.speculative,
-    num_speculative_tokens: NumSpeculativeTokensOption = ServeConfig.num_speculative_tokens,
-    draft_model: DraftModelOption = ServeConfig.draft_model,
-    device: DeviceOption = ServeConfig.device,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     from quantkit.server.runner import serve as run_server
@@ -69,19 +55,13 @@ def serve(
         served_model_name=served_model_name,
         api_key=api_key,
         max_queue=max_queue,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        kv_cache_blocks=kv_cache_blocks,
         drain_timeout=drain_timeout,
         max_body_bytes=max_body_bytes,
         body_timeout=body_timeout,
         log_level=log_level,
-        kv_cache_dtype=kv_cache_dtype,
-        speculative=speculative,
-        num_speculative_tokens=num_speculative_tokens,
-        draft_model=draft_model,
-        device=device,
+        engine=engine,
     )
+    keep_freed_memory_for_reuse()  # the decode loop reuses the same temporaries (quantkit/memory.py)
     run_server(model, config)
 
 
@@ -89,12 +69,13 @@ def serve(
 def smoke(
     checkpoint: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory or alias.")],
     prompt: Annotated[list[str] | None, typer.Option(help="Prompt to send (repeatable; default: two).")] = None,
-    max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = 16,
+    max_tokens: Annotated[int, typer.Option(help="Completion tokens per request.")] = SMOKE_MAX_TOKENS,
     json_out: JsonOption = None,
 ) -> None:
     """Start the server on loopback, check completion/chat/streaming answers against offline greedy output."""
     from quantkit.server.smoke import run_smoke
 
+    keep_freed_memory_for_reuse()  # the serving engine's allocator policy (quantkit/memory.py)
     report = run_smoke(checkpoint, prompt or None, max_tokens)
     table = Table(title=f"Serving smoke test of {checkpoint}")
     for column in ("requests", "p50 latency s", "max latency s", "mean TTFT s", "tokens/s", "seconds"):

@@ -11,9 +11,9 @@ Two kinds of rule:
 - the *kernels* of each engine for a valid layout (:func:`vllm_kernel`, :func:`gptq_support`,
   :func:`gguf_type`): shown by ``quantkit inspect`` and checked by the exports.
 
-Sources (read 2026-11): vLLM ``compressed_tensors_wNa16.py`` and ``kernels/linear/__init__.py`` (kernel order
-CutlassW4A8, Machete, Marlin, Conch, Exllama, TritonW4A16, Humming; the first whose ``can_implement`` passes),
-each kernel's ``can_implement``; compressed-tensors 0.20 ``quant_args.py``, ``forward_helpers.py`` and
+Sources (read 2026-11): vLLM :data:`VLLM_VERSION` ``compressed_tensors_wNa16.py`` and ``kernels/linear/__init__.py``
+(kernel order CutlassW4A8, Machete, Marlin, Conch, Exllama, TritonW4A16, Humming; the first whose ``can_implement``
+passes), each kernel's ``can_implement``; compressed-tensors 0.20 ``quant_args.py``, ``forward_helpers.py`` and
 ``pack_quantized``; transformers 5.23 ``quantizer_compressed_tensors.py``; llama.cpp ``ggml-common.h``.
 Tensor parallelism 1 is assumed (each partition is the whole N or K).
 """
@@ -34,13 +34,16 @@ LAYOUT_POLICY_HELP = (
     "quantkit-only: write short last groups and dynamic act-order groups, which only quantkit reads"
 )
 
+DENSE_PACKING_SINCE = "0.18"  # compressed-tensors packs 3/5/6/7-bit values densely (as quantkit) from 0.18 on
+# the transformers releases quantkit supports: pyproject.toml's pin (tests/format/test_engines.py checks they agree);
 # transformers loads compressed-tensors checkpoints through the compressed-tensors package
-TRANSFORMERS_RANGE = "transformers >=5.17,!=5.23.0 (pyproject.toml) with compressed-tensors >=0.18"
+TRANSFORMERS_VERSIONS = ">=5.17,<5.23"
+TRANSFORMERS_RANGE = f"transformers {TRANSFORMERS_VERSIONS} with compressed-tensors >={DENSE_PACKING_SINCE}"
 TRANSFORMERS_BROKEN = {
-    "5.23.0": "refuses asymmetric checkpoints (zero-point shape check) and decodes mixed checkpoints with "
+    "5.23 and 5.24": "refuse asymmetric checkpoints (zero-point shape check) and decode mixed checkpoints with "
     "dequantize=True using the first group's scheme",
 }
-DENSE_PACKING_SINCE = "0.18"  # compressed-tensors packs 3/5/6/7-bit values densely (as quantkit) from 0.18 on
+VLLM_VERSION = "0.33"  # the vLLM release whose source the kernel rules below were read from
 
 HOPPER, AMPERE = 90, 80  # compute capabilities inspect reports vLLM's kernels for
 _MACHETE_GROUPS = (-1, 64, 128)

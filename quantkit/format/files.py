@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from quantkit.atomic import inside
 from quantkit.errors import QuantkitError
 from quantkit.format.tensors import SCALE
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
@@ -21,8 +22,10 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", 
 
 def side_files(path: Path) -> list[Path]:
     """A model directory's tokenizer, generation config, chat template and other side files: what a checkpoint
-    written from it copies (not its weights, configs, or quantkit's run log)."""
-    return [
+    written from it copies (not its weights, configs, or quantkit's run log). A side file that is a link must
+    point inside the model (:func:`_link_root`), so a crafted model cannot have a checkpoint carry another file
+    of this machine."""
+    files = [
         f
         for f in sorted(Path(path).iterdir())
         if f.is_file()
@@ -30,6 +33,22 @@ def side_files(path: Path) -> list[Path]:
         and not f.name.startswith(".")
         and not f.name.endswith(_WEIGHT_SUFFIXES)
     ]
+    root = _link_root(Path(path))
+    for f in files:
+        if f.is_symlink() and not f.resolve().is_relative_to(root):
+            raise QuantkitError(
+                f"{f} is a link to {f.resolve()}, outside the model {root}; replace the link with the file itself"
+            )
+    return files
+
+
+def _link_root(path: Path) -> Path:
+    """Where a model directory's links may point: the directory, or for a Hugging Face cache snapshot
+    (``models--org--name/snapshots/<revision>/``) the repository folder whose ``blobs/`` its links name."""
+    resolved = path.resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent
+    return resolved
 
 
 def read_checkpoint_config(path: Path) -> dict:
@@ -55,7 +74,7 @@ def shard_files(path: Path) -> list[Path]:
     path = Path(path)
     if (path / INDEX_FILE).is_file():
         weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        files = [inside(path, f, f"{INDEX_FILE}'s shard") for f in sorted(set(weight_map.values()))]
     elif (path / SINGLE_FILE).is_file():
         files = [path / SINGLE_FILE]
     else:

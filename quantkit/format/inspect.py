@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from safetensors import safe_open
 
 from quantkit.errors import QuantkitError
+from quantkit.format.engines import VLLM_VERSION
 from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
 from quantkit.format.loads_in import EngineVerdict, LayerShape, loads_in
 from quantkit.format.quantization_config import parse_quantization_config
@@ -272,4 +273,5 @@ def _engines_table(report: CheckpointReport) -> Table:
     engines.add_column("kernels / types")
     for verdict in report.loads_in:
         engines.add_row(verdict.engine, "yes" if verdict.loads else "no", verdict.summary)
+    engines.caption = f"vLLM kernels: predicted from vLLM {VLLM_VERSION} source (quantkit.format.engines), not loaded"
     return engines

@@ -14,13 +14,13 @@ File: JSON ``{"format": "quantkit-measurement", "version": 1, "model", "mode", "
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, model_validator
 
+from quantkit.atomic import write_text
 from quantkit.errors import QuantkitError
 from quantkit.mixed.candidates import parse_candidate
 from quantkit.schemas.fields import FileModel, one_of
@@ -170,17 +170,10 @@ class MeasurementFile(FileModel):
 
 
 def save_measurement(measurement: Measurement, path: Path) -> Path:
-    """Validate, then write JSON atomically (temp file in the same directory, then rename); returns ``path``."""
+    """Validate, then write JSON atomically (:func:`quantkit.atomic.write_text`); returns ``path``."""
     path = Path(path)
     measurement.validate(str(path))
-    text = json.dumps(measurement.to_dict(), indent=1, allow_nan=False) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text(path, json.dumps(measurement.to_dict(), indent=1, allow_nan=False) + "\n")
     return path
 
 

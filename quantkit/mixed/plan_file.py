@@ -217,8 +217,6 @@ class PlanFile(FileModel):
     rules: list[RuleEntry] = Field(min_length=1)
 
 
-TOP_KEYS = tuple(PlanFile.model_fields)
-RULE_KEYS = tuple(RuleEntry.model_fields)
 _ITEM_LABELS = {"rules": "target '{target}'"}
 
 

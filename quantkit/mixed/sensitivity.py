@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,14 +38,16 @@ from quantkit.mixed.unit_error import KLReference, UnitMeter
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner, embed
 from quantkit.model.source_weights import SourceWeights, build_skeleton
+from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import embed_inputs, stage_hessians, walk_blocks
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.methods import method_defaults, with_solver_options
-from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.methods import registry
+from quantkit.quantization.methods.composition import JobSteps, parse_method, with_solver_options
+from quantkit.quantization.solvers.gptq import GPTQSettings
 from quantkit.quantization.spill import SpillFile
-from quantkit.quantization.staged_block import StagedBlock
 
-_GPTQ_DEFAULTS = method_defaults("gptq")
+SOLVER = "gptq"  # candidates are solved as `quantize --method gptq` solves them
+_DEFAULTS = JobSteps(parse_method(SOLVER)).scheme_defaults()
 
 
 @dataclass
@@ -53,9 +57,9 @@ class SensitivityConfig:
     candidates: list[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
     mode: str = DEFAULT_MODE  # hybrid | proxy (fast) | kl (see the module docstring)
     kl_windows: int = 2  # kl / hybrid: calibration windows the KL is measured on
-    gptq: GPTQConfig = field(default_factory=GPTQConfig)  # candidates are solved as `quantize` solves them
-    act_order: bool = _GPTQ_DEFAULTS.act_order  # with static groups: storage cost unchanged
-    mse_clip: bool = _GPTQ_DEFAULTS.mse_clip
+    gptq: GPTQSettings = field(default_factory=lambda: parse_method(SOLVER)[0])  # the solver's options
+    act_order: bool = _DEFAULTS["act_order"]  # with static groups: storage cost unchanged
+    mse_clip: bool = _DEFAULTS["mse_clip"]
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
     batch_size: int = QuantizeConfig.batch_size
@@ -72,6 +76,11 @@ class SensitivityConfig:
         if self.kl_windows < 1:
             raise QuantkitError(f"--kl-windows must be at least 1, got {self.kl_windows}")
         resolve_device(self.device)
+
+
+def solver_options(configs: Sequence[Any]) -> GPTQSettings:
+    """The sensitivity solver's options as a job holds them (its defaults when the job does not hold it)."""
+    return next((c for c in configs if registry.of(c).name == SOLVER), parse_method(SOLVER)[0])
 
 
 def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Path | None = None) -> Measurement:
@@ -128,7 +137,7 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         metadata={
             "calibration_hash": calibration.fingerprint(),
             "calibration_shape": list(calibration.input_ids.shape),
-            "solver": "gptq",
+            "solver": SOLVER,
             "damp": config.gptq.damp,
             "act_order": config.act_order,
             "mse_clip": config.mse_clip,

@@ -19,7 +19,7 @@ from quantkit.mixed.candidates import unit_storage_bits
 from quantkit.mixed.measurement import CandidateCost, UnitMeasurement
 from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
-from quantkit.quantization.solvers.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
+from quantkit.quantization.solvers.gptq import GPTQSettings, gptq_solve, hessian_weighted_error
 
 
 @dataclass(slots=True)
@@ -76,7 +76,7 @@ class UnitMeter:
 
     arch: ArchSpec
     schemes: dict[str, QuantScheme | None]
-    gptq: GPTQConfig
+    gptq: GPTQSettings
     storage: torch.dtype
     mode: str
     kl: KLReference | None = None

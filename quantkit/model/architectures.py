@@ -55,7 +55,10 @@ class ArchSpec:
         Stage(DOWN, ("mlp.down_proj",)),
     )
     norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-    qkv_bias: bool = False
+    qkv_bias: bool = False  # q/k/v always carry a bias (else only where config.json's attention_bias says so)
+    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3)
+    sliding_window_by_default: bool = False  # config.json's sliding_window applies unless use_sliding_window is false
+    gguf_arch: str | None = "llama"  # llama.cpp's name (gguf.MODEL_ARCH member, lower case); None: no GGUF export
     awq_groups: tuple[ScalingGroup, ...] = (
         ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
         ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),  # only when the shapes allow it (no GQA)
@@ -84,12 +87,14 @@ class ArchSpec:
 
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(family="llama", model_types=("llama",)),
-    ArchSpec(family="mistral", model_types=("mistral",)),
-    ArchSpec(family="qwen2", model_types=("qwen2",), qkv_bias=True),
+    ArchSpec(family="mistral", model_types=("mistral",), sliding_window_by_default=True),
+    ArchSpec(family="qwen2", model_types=("qwen2",), qkv_bias=True, gguf_arch="qwen2"),
     ArchSpec(
         family="qwen3",
         model_types=("qwen3",),
         norms=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
+        qk_norm=True,
+        gguf_arch="qwen3",
     ),
 )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -100,7 +101,24 @@ def fit_layouts(assignment: SchemeAssignment, in_features: Mapping[str, int], po
             raise QuantkitError(_refusal(problems, schemes, in_features))
         schemes[name] = fallback_scheme(scheme, in_features[name])
         fallbacks[name] = f"{group_label(scheme)} -> {group_label(schemes[name])}"
+    warnings.warn(fallback_notice(fallbacks), LayoutFallback, stacklevel=2)
     return SchemeAssignment(schemes, fallbacks)
+
+
+class LayoutFallback(UserWarning):
+    """Layers got a smaller group than asked because engines refuse the asked one for their shapes."""
+
+
+def fallback_notice(fallbacks: Mapping[str, str]) -> str:
+    """One line: which layers got which group instead of the asked one, and how to refuse instead."""
+    by_change: dict[str, list[str]] = {}
+    for name, change in fallbacks.items():
+        by_change.setdefault(change, []).append(name)
+    parts = [f"{change} on {len(names)} linears ({', '.join(_leaves(names))})" for change, names in by_change.items()]
+    return (
+        f"layout: {'; '.join(parts)}, whose in-features the group size does not divide (engines refuse a short "
+        "last group); --layout-policy strict stops instead"
+    )
 
 
 def _refusal(
@@ -122,11 +140,13 @@ def _by_reason(reasons: Mapping[str, str]) -> str:
     """``reason: linear, linear; reason: linear`` with block indices dropped (``mlp.down_proj``)."""
     grouped: dict[str, list[str]] = {}
     for name, reason in reasons.items():
-        leaf = re.sub(r"^.*?\.\d+\.", "", name)  # model.layers.3.mlp.down_proj -> mlp.down_proj
-        leaves = grouped.setdefault(reason, [])
-        if leaf not in leaves:
-            leaves.append(leaf)
-    return "; ".join(f"{reason}: {', '.join(leaves)}" for reason, leaves in grouped.items())
+        grouped.setdefault(reason, []).append(name)
+    return "; ".join(f"{reason}: {', '.join(_leaves(names))}" for reason, names in grouped.items())
+
+
+def _leaves(names: list[str]) -> list[str]:
+    """Linear names with the block index dropped (model.layers.3.mlp.down_proj -> mlp.down_proj), once each."""
+    return list(dict.fromkeys(re.sub(r"^.*?\.\d+\.", "", name) for name in names))
 
 
 def check_exports(

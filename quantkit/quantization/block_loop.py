@@ -8,8 +8,9 @@ stage with the Hessian of its inputs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,9 +20,9 @@ from quantkit.memory import release_freed_memory
 from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import embed, get_module
 from quantkit.model.source_weights import SourceWeights, load_module, release_module
+from quantkit.model.staged_block import StagedBlock
 from quantkit.progress import progress_bar
-from quantkit.quantization.float_targets import FloatPath, StageMoments
-from quantkit.quantization.staged_block import StagedBlock
+from quantkit.quantization.methods.hooks import Companion
 from quantkit.quantization.statistics import HessianStat
 
 
@@ -62,11 +63,11 @@ def walk_blocks(
 
 
 def stage_hessians(
-    staged: StagedBlock, *, with_hessian: bool = True, float_path: FloatPath | None = None
-) -> Iterator[tuple[Stage, torch.Tensor | None, StageMoments | None]]:
+    staged: StagedBlock, *, with_hessian: bool = True, companions: Sequence[Companion] = ()
+) -> Iterator[tuple[Stage, torch.Tensor | None, list[Any]]]:
     """Run ``staged`` stage by stage, in order; yield each stage with the Hessian ``2 X^T X / n`` of its inputs
-    and, with a ``float_path``, the moments its float targets need (:mod:`quantkit.quantization.float_targets`;
-    else None).
+    and what each companion collected over the stage (a target algorithm's view of the float block: see
+    :class:`quantkit.quantization.methods.hooks.Companion`).
 
     ``with_hessian`` False: the stages only run (for the block's output), and None is yielded. Use a stage's
     Hessian (e.g. solve and write back its weights) before asking for the next stage: the next one's inputs are
@@ -75,55 +76,35 @@ def stage_hessians(
     for stage in staged.arch.stages:
         k = get_module(staged.block, stage.head).in_features
         stat = HessianStat.zeros(k, device=staged.hidden.device) if with_hessian else None
-        moments = None if float_path is None else _stage_moments(staged, stage, k)
-        _accumulate(staged, stage.name, stat, float_path, moments)
-        if moments is not None:
-            moments.normalise_()
+        _accumulate(staged, stage, k, stat, companions)
+        stage_data = [companion.close_stage() for companion in companions]
         hessian = None if stat is None else stat.take_hessian()
         del stat
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
-        yield stage, hessian, moments
-        del hessian, moments  # not held while the next stage's inputs are computed
-
-
-def _stage_moments(staged: StagedBlock, stage: Stage, k: int) -> StageMoments:
-    """The stage's moments, accumulated the cheaper way (:class:`StageMoments`)."""
-    linears = {name: get_module(staged.block, name) for name in stage.linears}
-    if StageMoments.direct_is_cheaper(k, [linear.out_features for linear in linears.values()]):
-        return StageMoments(k, staged.hidden.device, {name: linear.weight for name, linear in linears.items()})
-    return StageMoments(k, staged.hidden.device)
+        yield stage, hessian, stage_data
+        del hessian, stage_data  # not held while the next stage's inputs are computed
 
 
 def _accumulate(
-    staged: StagedBlock,
-    stage: str,
-    stat: HessianStat | None,
-    float_path: FloatPath | None = None,
-    moments: StageMoments | None = None,
+    staged: StagedBlock, stage: Stage, k: int, stat: HessianStat | None, companions: Sequence[Companion]
 ) -> None:
-    """Run a stage over every mini-batch, adding its inputs to ``stat`` (and, paired with the float path's, to
-    ``moments``); the last input (it may be a view of a reused [rows, intermediate] buffer) goes out of scope on
+    """Run a stage over every mini-batch, adding its inputs to ``stat`` and showing them to each companion beside
+    its own; the last input (it may be a view of a reused [rows, intermediate] buffer) goes out of scope on
     return, before the solver runs.
 
-    One inference-mode context spans both generators: each enters its own, and the two finish in another order
-    than they started, which would otherwise leave inference mode switched on after the call.
+    One inference-mode context spans every generator: each enters its own, and they finish in another order than
+    they started, which would otherwise leave inference mode switched on after the call.
     """
     with torch.inference_mode():
-        if float_path is None or moments is None:
-            for x in staged.stage_inputs(stage):
-                if stat is not None:
-                    stat.update(x)
-            return
-        float_inputs = float_path.stage_inputs(stage)
-        for rows, x in zip(staged.batches(), staged.stage_inputs(stage), strict=True):
+        own = [companion.open_stage(staged, stage, k) for companion in companions]
+        for rows, x in zip(staged.batches(), staged.stage_inputs(stage.name), strict=True):
             if stat is not None:
                 stat.update(x)
-            float_x = next(float_inputs)
-            residual, float_residual = staged.residual_in(stage, rows), float_path.staged.residual_in(stage, rows)
-            error = None if residual is None or float_residual is None else residual.float() - float_residual.float()
-            moments.add(float_x, x, error)
-        for _ in float_inputs:  # runs the float stage to its end (its state for the next stage)
-            raise AssertionError("the float path yielded more mini-batches than the quantized block")
+            for companion, inputs in zip(companions, own, strict=True):
+                companion.observe(staged, stage, rows, x, next(inputs))
+        for inputs in own:
+            for _ in inputs:  # runs the companion's stage to its end (its state for the next stage)
+                raise AssertionError("a companion yielded more mini-batches than the quantized block")
 
 
 def embed_inputs(

@@ -17,9 +17,7 @@ from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
 from quantkit.model.source_weights import config_json
-from quantkit.quantization.head_refit import refitted_head
 from quantkit.quantization.job import QuantizeJob
-from quantkit.quantization.solvers.gptq import GPTQConfig
 from quantkit.quantization.workdir import WorkDir
 
 
@@ -52,9 +50,9 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
     model_config = config_json(job.source)
     model_config.pop("quantization_config", None)
     layer_prefix = job.arch.layers_path + "."
-    outer = work.load_outer()  # rotated: the embedding, final norm and an untied head
-    if job.config.refit_head:
-        outer |= refitted_head(job, work, outer)
+    outer = work.load_outer()  # e.g. rotated: the embedding, final norm and an untied head
+    for step in job.steps:  # e.g. a refitted head
+        outer |= step.hooks.final_tensors(step.config, job, work, outer)
     if outer:
         model_config["tie_word_embeddings"] = False
     writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
@@ -72,23 +70,19 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
 
 
 def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
-    gptq = job.config.gptq or GPTQConfig()
+    """The checkpoint's ``quantkit_log.json``: the method, every algorithm with every option, the data, the
+    fingerprints, what each linear's solve recorded, and what each algorithm adds."""
     calibration = job.calibration
     log = {
         "method": job.config.method,
-        "damp": gptq.damp,
-        "block_size": gptq.block_size,
+        "solvers": {entry.pop("name"): entry for entry in job.steps.canonical()},
         "calibration": None if calibration is None else calibration.metadata,
         "calibration_shape": None if calibration is None else list(calibration.input_ids.shape),
         "fingerprints": work.state["fingerprints"],
         "layers": [record.to_dict() for record in work.records],
     }
-    if job.config.refit_head:
-        log["refit_head"] = True
-    if gptq.float_targets:
-        log["float_targets"] = True
-    if job.rotation is not None:
-        log["rotation"] = job.rotation.log() | {"untied_head": job.rotation.head_name if job.rotation.tied else None}
+    for step in job.steps:
+        log |= step.hooks.log(step.config, job.states.get(step.name))
     if job.device.type != "cpu":  # CPU runs keep the log they always had
         log["device"] = str(job.device)
     if job.assignment.fallbacks:

@@ -1,4 +1,10 @@
-"""The configuration of one quantization job; the model and the output directory are the call's arguments."""
+"""The configuration of one quantization job; the model and the output directory are the call's arguments.
+
+A job is a scheme and a list of algorithm configs (``solvers``: a rotation's, GPTQ's and tuning's, say), each
+config's defaults quantkit's own (``quantkit/quantization/methods/``, one module per algorithm). The CLI options,
+the recipe schema, the fingerprint and the run log are derived from these dataclasses
+(:mod:`quantkit.quantization.options`, :mod:`quantkit.recipes.solver_sections`, :mod:`quantkit.quantization.job`).
+"""
 
 from __future__ import annotations
 
@@ -6,101 +12,87 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from quantkit.data.calibration import CalibrationConfig
-from quantkit.device import DEFAULT_DEVICE, resolve_device
+from quantkit.device import DEFAULT_DEVICE, DEVICE_HELP, resolve_device
 from quantkit.errors import QuantkitError
-from quantkit.format.engines import EXPORT_SUPPORT, LAYOUT_POLICIES, STRICT
+from quantkit.format.engines import EXPORT_SUPPORT, FALLBACK, LAYOUT_POLICIES, LAYOUT_POLICY_HELP
 from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.methods import (
-    SolverConfig,
-    check_solvers,
-    expand_method,
-    method_name,
-    needs_calibration,
+from quantkit.quantization.methods.composition import (
+    DEFAULT_METHOD,
+    JobSteps,
+    parse_method,
     resolve_scheme,
+    with_method,
     with_solver_options,
 )
-from quantkit.quantization.solvers.awq import AWQConfig
-from quantkit.quantization.solvers.gptq import GPTQConfig
-from quantkit.quantization.solvers.tune import TuneConfig
-from quantkit.rotation.config import RotationConfig
-
-DEFAULT_METHOD = "gptq"
+from quantkit.quantization.methods.registry import option
 
 
 @dataclass
 class QuantizeConfig:
-    """One job: the solvers (a method's list, see :mod:`quantkit.quantization.methods`), the scheme, the data.
+    """One job: the algorithms (``solvers``), the scheme, the data, and where and how the output is written.
 
-    ``scheme`` None is the method's default scheme (:func:`resolve_scheme`); ``planned`` (full linear name ->
-    storage scheme, None for a linear kept in float) replaces the one scheme with a plan's, each solved with
-    ``scheme``'s solver options (act-order, MSE clipping). The caller turns a plan file into ``planned``.
+    ``scheme`` None is the method's default scheme; ``planned`` (full linear name -> storage scheme, None for a
+    linear kept in float) replaces the one scheme with a plan's, each solved with ``scheme``'s solver options
+    (act-order, MSE clipping). The caller turns a plan file into ``planned``.
     """
 
-    solvers: list[SolverConfig] = field(default_factory=lambda: expand_method(DEFAULT_METHOD))
+    solvers: list[Any] = field(default_factory=lambda: parse_method(DEFAULT_METHOD))
     scheme: QuantScheme | None = None
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
-    rotation: RotationConfig = field(default_factory=RotationConfig)  # folded into the weights before solving
-    tune: TuneConfig | None = None  # block-output tuning after the weight solver (None: off)
-    refit_head: bool = False  # refit the float head to the quantized body (quantkit.quantization.head_refit)
-    ignore: list[str] = field(default_factory=list)  # regexes (re.search) of linears kept in float
+    ignore: list[str] = option([], "Regex of linears to keep in float (repeatable); lm_head always is.")
     planned: dict[str, QuantScheme | None] | None = None
-    layout_policy: str = STRICT  # layouts engines would refuse: see quantkit.format.engines.LAYOUT_POLICIES
+    # the default writes a checkpoint every engine loads: a group size that does not divide a layer's in-features
+    # becomes the largest that does on that layer (said in one line), instead of stopping the run
+    layout_policy: str = option(FALLBACK, LAYOUT_POLICY_HELP)
     export_formats: list[str] = field(default_factory=list)  # exported afterwards by the caller: checked up front
-    resume: bool = False
-    force: bool = False
-    batch_size: int = 4  # calibration windows per forward pass
-    max_shard_bytes: int = 1024 * 1_000_000  # largest checkpoint shard (held in memory while written)
-    device: str = DEFAULT_DEVICE  # where blocks are solved (quantkit.device: auto, cpu, cuda, cuda:N)
+    resume: bool = option(False, "Continue an interrupted run after its last finished block.")
+    force: bool = option(False, "Replace an existing output directory (once the new one is done).")
+    batch_size: int = option(4, "Calibration windows per forward pass.")
+    max_shard_mb: int = option(1024, "Largest checkpoint shard, in MB (held in memory).", flag="--max-shard-size")
+    device: str = option(DEFAULT_DEVICE, DEVICE_HELP)  # where blocks are solved
     show_progress: bool = True
 
     @classmethod
-    def for_method(cls, method: str = DEFAULT_METHOD, *overrides: SolverConfig, **fields: object) -> QuantizeConfig:
-        """The job of a method spelling (``awq+gptq``); ``overrides`` replace its solvers' default configs."""
-        return cls(solvers=expand_method(method, *overrides), **fields)  # type: ignore[arg-type]
+    def for_method(cls, method: str = DEFAULT_METHOD, *overrides: Any, **fields: Any) -> QuantizeConfig:
+        """The job of a method spelling (``awq+gptq``); ``overrides`` replace its algorithms' default configs or
+        add others (tuning, a rotation)."""
+        return cls(solvers=with_method(method, *overrides), **fields)
 
     @classmethod
-    def of(cls, config: QuantizeConfig | SolverConfig | Sequence[SolverConfig] | str | None) -> QuantizeConfig:
-        """A job config from what a caller may pass: a job config, a method spelling, one solver config or a
-        list of them (``[AWQConfig(), GPTQConfig()]``), or None (the default method)."""
+    def of(cls, config: QuantizeConfig | Any | Sequence[Any] | str | None) -> QuantizeConfig:
+        """A job config from what a caller may pass: a job config, a method spelling, one algorithm config or a
+        list of them (AWQ's and GPTQ's, say), or None (the default method)."""
         if isinstance(config, QuantizeConfig):
             return config
         if config is None or isinstance(config, str):
             return cls.for_method(config or DEFAULT_METHOD)
         solvers = list(config) if isinstance(config, Sequence) else [config]
-        check_solvers(solvers)
+        JobSteps(solvers)  # checked now: one weight solver, what each algorithm requires
         return cls(solvers=solvers)
 
     @property
+    def steps(self) -> JobSteps:
+        """The algorithms that act, checked and in run order."""
+        return JobSteps(self.solvers)
+
+    @property
     def method(self) -> str:
-        return method_name(self.solvers)
-
-    @property
-    def gptq(self) -> GPTQConfig | None:
-        return next((s for s in self.solvers if isinstance(s, GPTQConfig)), None)
-
-    @property
-    def awq(self) -> AWQConfig | None:
-        return next((s for s in self.solvers if isinstance(s, AWQConfig)), None)
-
-    @property
-    def tuning(self) -> bool:
-        return self.tune is not None and self.tune.steps > 0
+        return self.steps.method
 
     @property
     def needs_calibration(self) -> bool:
-        return needs_calibration(self.solvers) or self.keeps_reference
+        return self.steps.needs_calibration
 
     @property
-    def keeps_reference(self) -> bool:
-        """The run carries the float model's activations beside the quantized ones (tuning's targets, the head's
-        refit, GPTQ's float targets)."""
-        return self.tuning or self.refit_head or (self.gptq is not None and self.gptq.float_targets)
+    def max_shard_bytes(self) -> int:
+        return self.max_shard_mb * 1_000_000
 
     def resolved_scheme(self) -> QuantScheme:
-        return self.scheme if self.scheme is not None else resolve_scheme(self.method)
+        return self.scheme if self.scheme is not None else resolve_scheme(self.steps.scheme_defaults())
 
     def planned_schemes(self) -> dict[str, QuantScheme | None] | None:
         """The plan's schemes solved with this run's solver options (None without a plan)."""
@@ -110,7 +102,7 @@ class QuantizeConfig:
         return {name: None if s is None else with_solver_options(s, options) for name, s in self.planned.items()}
 
     def validate(self) -> None:
-        check_solvers(self.solvers)
+        self.steps  # noqa: B018 (checks the algorithms)
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be positive, got {self.batch_size}")
         if self.layout_policy not in LAYOUT_POLICIES:
@@ -120,8 +112,8 @@ class QuantizeConfig:
         unknown = [f for f in self.export_formats if f not in EXPORT_SUPPORT]
         if unknown:
             raise QuantkitError(f"unknown export format '{unknown[0]}'; use {', '.join(EXPORT_SUPPORT)}")
-        if self.max_shard_bytes < 1_000_000:
-            raise QuantkitError(f"--max-shard-size must be at least 1 MB, got {self.max_shard_bytes} bytes")
+        if self.max_shard_mb < 1:
+            raise QuantkitError(f"--max-shard-size must be at least 1 MB, got {self.max_shard_mb}")
         for pattern in self.ignore:
             try:
                 re.compile(pattern)

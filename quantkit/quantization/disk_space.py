@@ -32,7 +32,7 @@ def expected_bytes(job: QuantizeJob) -> dict[str, int]:
     if job.calibration is not None:
         config = config_json(job.source)
         tokens = job.calibration.input_ids.numel()
-        streams = 2 if job.config.keeps_reference else 1  # the float model's activations beside the quantized
+        streams = 2 if job.steps.keeps_float_path else 1  # the float model's activations beside the quantized
         hidden = 2 * streams * int(config["hidden_size"]) * job.storage.itemsize  # the current input and the next
         work += tokens * (hidden + int(config["intermediate_size"]) * _SPILL_BYTES)
     return {"checkpoint": checkpoint, "work directory": work}

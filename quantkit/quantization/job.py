@@ -1,5 +1,6 @@
 """One quantization run, resolved once before the block loop: where the weights come from and go, the
-architecture, the calibration windows, the scheme of every linear, and the fingerprints that guard ``--resume``."""
+architecture, the calibration windows, the scheme of every linear, each algorithm's job-wide state, and the
+fingerprints that guard ``--resume``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -15,10 +17,12 @@ from quantkit.model.architectures import ArchSpec
 from quantkit.model.source_weights import SourceWeights, config_json
 from quantkit.quantization.assignment import SchemeAssignment, check_exports, fit_layouts, uniform_assignment
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.rotation_step import JobRotation
-from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.methods.composition import JobSteps
 
 NO_CALIBRATION = "none"
+# Bumped when what the fingerprint hashes changes meaning, so that a work directory of an older quantkit is not
+# resumed as if it were this run's.
+FINGERPRINT_FORMAT = 2
 
 
 @dataclass(slots=True)
@@ -33,8 +37,13 @@ class QuantizeJob:
     storage: torch.dtype  # the float weights' dtype: unquantized tensors and scales are stored in it
     assignment: SchemeAssignment
     calibration: CalibrationSet | None  # None: data-free (round-to-nearest)
-    rotation: JobRotation | None = None  # None: the weights are solved as stored
+    steps: JobSteps = field(default_factory=lambda: JobSteps([]))
+    states: dict[str, Any] = field(default_factory=dict)  # algorithm name -> what its prepare hook returned
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # config.device, resolved
+
+    @property
+    def unties_head(self) -> bool:
+        return self.steps.any_cap("unties_head")
 
     def fingerprints(self) -> dict[str, str]:
         """What the output depends on, recorded in the work directory and the checkpoint's log."""
@@ -66,26 +75,17 @@ def run_fingerprints(
     return {
         "model": weights,
         "calibration data": NO_CALIBRATION if calibration is None else calibration.fingerprint(),
-        "scheme": _solve_fingerprint(config, assignment),
+        "scheme": solve_fingerprint(config, assignment),
     }
 
 
-def _solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
-    gptq = config.gptq or GPTQConfig()
+def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
+    """A hash of everything that decides the solved weights: every algorithm with every option (the job's
+    canonical list), each linear's scheme, and the mini-batch size (it orders the sums)."""
     spec = {
-        "method": config.method,
-        "awq": None if config.awq is None else asdict(config.awq),
-        "damp": gptq.damp,
-        "block_size": gptq.block_size,
-        "batch_size": config.batch_size,
+        "format": FINGERPRINT_FORMAT,
+        "solvers": config.steps.canonical(),
         "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
+        "batch_size": config.batch_size,
     }
-    if config.rotation.kind != "none":  # runs without these keep the fingerprints they always had
-        spec["rotation"] = config.rotation.name
-    if config.tuning:
-        spec["tune"] = asdict(config.tune)
-    if config.refit_head:
-        spec["refit_head"] = True
-    if gptq.float_targets:
-        spec["float_targets"] = True
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -1,6 +1,9 @@
 """Temporary files and directories that runs killed on the way leave beside an output, found and removed by the
 next run on the same output (with a message): the checkpoint writer's ``<out>.tmp-<pid>``, the swap's
-``.<out>.old-<pid>``, and retired work directories ``.<out>.partial.retired-<pid>``."""
+``.<out>.old-<pid>``, and retired work directories ``.<out>.partial.retired-<pid>``.
+
+Called with the output's lock held (:mod:`quantkit.quantization.output_lock`): no other run is writing beside the
+output then, so every such temporary but this process's own is a dead run's."""
 
 from __future__ import annotations
 
@@ -12,18 +15,8 @@ from quantkit.atomic import remove_path
 from quantkit.progress import console
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
 def leftovers(output: Path) -> list[Path]:
-    """The temporaries of dead runs beside ``output``."""
+    """The temporaries of earlier runs beside ``output`` (call it holding the output's lock)."""
     output = Path(output)
     name = re.escape(output.name)
     pattern = re.compile(rf"(?:{name}\.tmp|\.{name}\.old|\.{name}\.partial\.retired)-(\d+)")
@@ -32,7 +25,7 @@ def leftovers(output: Path) -> list[Path]:
     found = []
     for path in sorted(output.parent.iterdir()):
         match = pattern.fullmatch(path.name)
-        if match and int(match.group(1)) != os.getpid() and not _alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid():
             found.append(path)
     return found
 

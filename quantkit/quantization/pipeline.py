@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,22 +23,21 @@ from quantkit.device import peak_device_memory_mb, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
-from quantkit.memory import map_large_allocations, peak_rss_mb, release_freed_memory
+from quantkit.memory import peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
-from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is_tied
+from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.progress import Interrupted
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
-from quantkit.quantization.block_pass import BlockPass
+from quantkit.quantization.block_work import BlockRun
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.disk_space import check_free_space
-from quantkit.quantization.head_refit import check_refittable
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
-from quantkit.quantization.methods import SolverConfig
+from quantkit.quantization.methods.records import LayerRecord, record_from_dict
+from quantkit.quantization.methods.registry import Role
+from quantkit.quantization.output_lock import output_lock
 from quantkit.quantization.quantize_block import quantize_block
-from quantkit.quantization.records import LayerRecord, record_from_dict
-from quantkit.quantization.rotation_step import job_rotation
 from quantkit.quantization.spill import SpillFile
 from quantkit.quantization.workdir import WorkDir, partial_dir
 
@@ -61,7 +61,7 @@ class QuantizeResult:
 
 def quantize_model(
     model: str | Path,
-    config: QuantizeConfig | SolverConfig | Sequence[SolverConfig] | str | None,
+    config: QuantizeConfig | Any | Sequence[Any] | str | None,
     output: str | Path,
     *,
     on_block_done: Callable[[int], None] | None = None,
@@ -70,17 +70,23 @@ def quantize_model(
     at ``output``; ``quantkit.quantize`` is this function.
 
     ``config``: a :class:`QuantizeConfig`, or what :meth:`QuantizeConfig.of` turns into one (a method such as
-    ``"awq+gptq"``, ``GPTQConfig()``, ``[AWQConfig(), GPTQConfig()]``). ``on_block_done(index)`` is called after
+    ``"awq+gptq"``, one algorithm config, or a list of them). ``on_block_done(index)`` is called after
     each finished block.
     """
     config = QuantizeConfig.of(config)
     config.validate()
-    map_large_allocations()  # keeps the resident set near what is live (see quantkit/memory.py)
-    start = time.perf_counter()
     output = Path(output)
+    with output_lock(output):  # one run per output, for the whole run
+        return _quantize(str(model), config, output, on_block_done)
+
+
+def _quantize(
+    model: str, config: QuantizeConfig, output: Path, on_block_done: Callable[[int], None] | None
+) -> QuantizeResult:
+    start = time.perf_counter()
     remove_leftovers(output)
-    with SourceWeights(_float_source(str(model), output, config)) as weights:
-        job = _prepare(str(model), config, output, weights)
+    with SourceWeights(_float_source(model, output, config)) as weights:
+        job = _prepare(model, config, output, weights)
         fingerprints = job.fingerprints()
         if output.exists() and read_run_fingerprints(output) == fingerprints and config.resume:
             _retire(partial_dir(output))  # a run killed while cleaning up after its checkpoint was written
@@ -90,8 +96,12 @@ def quantize_model(
         check_free_space(job)
         work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
         resumed_from = work.finished
-        if job.rotation is not None and not work.has_outer:
-            work.save_outer(job.rotation.outer_tensors(job.weights))
+        if not work.has_outer:
+            outer = {}
+            for step in job.steps:
+                outer |= step.hooks.outer_tensors(job.states.get(step.name), job)
+            if outer:
+                work.save_outer(outer)
         try:
             _run_blocks(job, work, on_block_done)
             write_checkpoint(job, work)
@@ -158,54 +168,42 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
     if config.needs_calibration:
         calibration = calibration_for_model(model, config.calibration, config.calibration_file, load_tokenizer(source))
     release_freed_memory()  # tokenization's temporaries
-    num_layers = num_layers_of(source)
-    rotation = job_rotation(config.rotation, source, arch, weights)
-    if config.refit_head and rotation is None:
-        check_refittable(model, head_is_tied(source, f"{arch.lm_head_path}.weight", weights))
-    return QuantizeJob(
+    job = QuantizeJob(
         model=model,
         config=config,
         source=source,
         output=output,
         arch=arch,
-        num_layers=num_layers,
+        num_layers=num_layers_of(source),
         weights=weights,
         storage=weights.storage_dtype(),
         assignment=assignment,
         calibration=calibration,
-        rotation=rotation,
+        steps=config.steps,
         device=resolve_device(config.device),
     )
+    for step in job.steps:  # each algorithm's checks and job-wide state, before any work
+        job.states[step.name] = step.hooks.prepare(step.config, job)
+    return job
 
 
 def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], None] | None) -> None:
     """The block loop. The block being solved, its statistics and the calibration activations live on
     ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU."""
     skeleton = build_skeleton(job.source)
-    tune = job.config.tune if job.config.tuning else None
-    run = BlockPass(
-        arch=job.arch,
-        solvers=job.config.solvers,
-        storage=job.storage,
-        tune=tune,
-        keep_reference=job.config.keeps_reference,
-    )
+    run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage)
     device = job.device
     hidden: torch.Tensor | None = None
     reference: torch.Tensor | None = None
+    folds = [(step.hooks, job.states.get(step.name)) for step in job.steps.with_role(Role.ROTATION)]
     # round-to-nearest reads each weight once: the stored dtype, not a float32 copy of the whole block
-    load_dtype = job.storage if job.rotation is None else torch.float32
+    load_dtype = torch.float32 if job.steps.any_cap("loads_float32") else job.storage
     if job.calibration is not None:
         load_dtype = torch.float32
         seq_len, batch_size = job.calibration.seq_len, job.config.batch_size
         run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
-        if work.finished > 0:
-            hidden = work.load_hidden(device)
-        elif job.rotation is not None:
-            hidden = job.rotation.embed_inputs(work.load_outer(), job.calibration.input_ids, job.storage).to(device)
-        else:
-            hidden = embed_inputs(skeleton, job.arch, job.weights, job.calibration.input_ids, job.storage).to(device)
-        if job.config.keeps_reference:  # the float model's activations: tuning's targets (see quantize_block)
+        hidden = work.load_hidden(device) if work.finished > 0 else _first_input(job, work, skeleton).to(device)
+        if job.steps.keeps_float_path:  # the float model's activations: the targets of tuning and refitting
             reference = work.load_reference(device) if work.finished > 0 else hidden.clone()
     visits = walk_blocks(
         skeleton,
@@ -218,12 +216,10 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
         show_progress=job.config.show_progress,
     )
     with SpillFile(work.spill_file) as spill, closing(visits):  # closing: the bar stops before Ctrl-C's message
-        # the spill files spare CPU memory; on an accelerator the activations stay in device memory instead
-        run.spill = spill if device.type == "cpu" else None
-        run.hessian_scratch = work.hessian_scratch if device.type == "cpu" else None
+        run.memory = work.memory_strategy(device, spill)
         for visit in visits:
-            if job.rotation is not None:
-                job.rotation.fold(visit.module)
+            for hooks, state in folds:
+                hooks.fold(state, visit.module)
             schemes = job.assignment.for_block(visit.prefix)
             done = quantize_block(visit.module, visit.prefix, hidden, schemes, run, reference)
             hidden, reference = done.output, done.reference_output
@@ -232,3 +228,15 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             del done, tensors
             if on_block_done is not None:
                 on_block_done(visit.index)
+
+
+def _first_input(job: QuantizeJob, work: WorkDir, skeleton: torch.nn.Module) -> torch.Tensor:
+    """The first block's calibration input: an algorithm's (the rows of a rotated embedding), else the source's
+    embedding of the windows."""
+    assert job.calibration is not None
+    ids, outer = job.calibration.input_ids, work.load_outer()
+    for step in job.steps:
+        first = step.hooks.first_input(job.states.get(step.name), outer, ids, job.storage)
+        if first is not None:
+            return first
+    return embed_inputs(skeleton, job.arch, job.weights, ids, job.storage)

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from quantkit.atomic import write_atomically, write_text
+from quantkit.atomic import inside, write_atomically, write_text
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
-from quantkit.quantization.records import LayerRecord, RunRecord, record_from_dict
+from quantkit.quantization.memory_strategy import MemoryStrategy
+from quantkit.quantization.methods.records import LayerRecord, RunRecord, record_from_dict
+from quantkit.quantization.spill import SpillFile
 
 STATE = "state.json"
 LEGACY_HIDDEN = "hidden.pt"  # the one input file of work directories written before per-block names
@@ -95,6 +97,12 @@ class WorkDir:
         """Where the solver parks a stage's Hessian while it holds the factor (scratch, like the spill file)."""
         return self.path / HESSIAN_SCRATCH
 
+    def memory_strategy(self, device: torch.device, spill: SpillFile) -> MemoryStrategy:
+        """The spill and scratch files spare CPU memory; on an accelerator the activations stay in device memory."""
+        if device.type != "cpu":
+            return MemoryStrategy()
+        return MemoryStrategy(spill=spill, hessian_file=self.hessian_scratch)
+
     def block_file(self, index: int) -> Path:
         return self.path / f"block_{index:04d}.safetensors"
 
@@ -146,7 +154,7 @@ class WorkDir:
         commit_point("outer-written")
 
     def load_outer(self) -> dict[str, torch.Tensor]:
-        return load_file(str(self.path / OUTER)) if self.has_outer else {}
+        return load_file(str(inside(self.path, self.state["outer"]))) if self.has_outer else {}
 
     def load_hidden(self, device: torch.device | None = None) -> torch.Tensor:
         """The next block's input (saved from the CPU), onto ``device`` (None: the CPU)."""
@@ -173,11 +181,11 @@ class WorkDir:
 
     def _hidden_path(self) -> Path | None:
         name = self.state.get("hidden", LEGACY_HIDDEN)
-        return self.path / name if name else None
+        return inside(self.path, name, "state.json's input") if name else None
 
     def _reference_path(self) -> Path | None:
         name = self.state.get("reference")
-        return self.path / name if name else None
+        return inside(self.path, name, "state.json's reference") if name else None
 
     def _remove_unreferenced(self) -> None:
         """Files of steps that never committed: temporaries, blocks past ``finished``, superseded inputs."""

@@ -14,17 +14,10 @@ from typing import Any
 import yaml
 
 from quantkit.errors import QuantkitError
+from quantkit.redaction import is_secret_name
 from quantkit.schemas.located import LocatedDict, OnString, located
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
-# a variable whose name has one of these words (HF_TOKEN, OPENAI_API_KEY, DB_PASSWORD) holds a secret: its value is
-# redacted from reports
-SECRET_WORDS = {"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASS", "CREDENTIAL", "CREDENTIALS", "AUTH"}
-REDACTED = "<redacted ${{{name}}}>"
-
-
-def is_secret_name(name: str) -> bool:
-    return any(word in SECRET_WORDS for word in name.upper().split("_"))
 
 
 class RecipeError(QuantkitError):
@@ -50,19 +43,6 @@ def substitute_env(text: str, where: str, secrets: dict[str, str] | None = None)
         return value
 
     return _ENV.sub(replace, text)
-
-
-def redact(value: Any, secrets: dict[str, str]) -> Any:
-    """``value`` (strings, lists, dicts) with every secret's value replaced by ``<redacted ${NAME}>``."""
-    if isinstance(value, str):
-        for name, secret in secrets.items():
-            value = value.replace(secret, REDACTED.format(name=name))
-        return value
-    if isinstance(value, dict):
-        return {redact(k, secrets): redact(v, secrets) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [redact(v, secrets) for v in value]
-    return value
 
 
 def env_substitution(label: str, secrets: dict[str, str] | None = None) -> OnString:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from quantkit.quantization.output_lock import output_lock
 from quantkit.recipes.report import RecipeReport, check_gates, environment, write_report
 from quantkit.recipes.schema import Recipe, recipe_secrets, recipe_to_dict
 from quantkit.recipes.stages import (
@@ -36,6 +37,13 @@ def run_recipe(
 ) -> RecipeReport:
     """Run every stage of ``recipe``; write report.json and report.md; return the report (gates decided)."""
     preflight(recipe)
+    with output_lock(Path(recipe.output.directory)):  # one run per output: its checkpoint, exports and report
+        return _run(recipe, recipe_path, report_dir, console, show_progress)
+
+
+def _run(
+    recipe: Recipe, recipe_path: Path | None, report_dir: Path | None, console: Console | None, show_progress: bool
+) -> RecipeReport:
     run = RecipeRun(recipe, console, show_progress)
     output = Path(recipe.output.directory)
     report_dir = Path(report_dir) if report_dir is not None else output / "report"

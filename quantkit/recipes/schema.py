@@ -21,19 +21,20 @@ from quantkit.errors import QuantkitError
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS, OUTPUT_FORMATS
 from quantkit.format.engines import LAYOUT_POLICIES
+from quantkit.format.presets import PRESETS, preset
 from quantkit.format.scheme import SUPPORTED_BITS, QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODES, CandidateName
 from quantkit.mixed.sensitivity import SensitivityConfig
-from quantkit.quantization.config import DEFAULT_METHOD, QuantizeConfig
-from quantkit.quantization.methods import METHODS, check_float_targets, resolve_scheme
-from quantkit.quantization.solvers.gptq import GPTQConfig
-from quantkit.quantization.solvers.tune import TuneConfig
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.composition import DEFAULT_METHOD, JobSteps, resolve_scheme
+from quantkit.recipes.legacy import upgrade_flat_keys
 from quantkit.recipes.overrides import RecipeError, apply_overrides, env_substitution
-from quantkit.rotation.config import ROTATION_KINDS, RotationConfig
+from quantkit.recipes.solver_sections import configs_of, normalize_solvers, solvers_model
 from quantkit.schemas.fields import FileModel, Regex, one_of
 from quantkit.schemas.located import LocatedDict, load_yaml
 from quantkit.schemas.validate import rule_error, validate
+from quantkit.server.smoke import SMOKE_MAX_TOKENS
 
 __all__ = [
     "CalibrationSection",
@@ -52,14 +53,13 @@ __all__ = [
     "recipe_to_dict",
 ]
 
-SMOKE_MAX_TOKENS = 16
 Strategy = one_of(STRATEGIES)
 Selection = one_of(SELECTIONS)
 Bits = one_of(SUPPORTED_BITS)
 Mode = one_of(MODES)
-Method = one_of(METHODS)
 LayoutPolicy = one_of(LAYOUT_POLICIES)
-RotationKind = one_of(ROTATION_KINDS)
+Preset = one_of(PRESETS)
+SolversSection = solvers_model()
 OutputFormat = one_of(OUTPUT_FORMATS)
 
 
@@ -78,20 +78,26 @@ class CalibrationSection(FileModel):
 
 
 class SchemeSection(FileModel):
-    bits: Bits = QuantScheme.bits
-    group_size: int = QuantScheme.group_size  # -1: per-channel
-    symmetric: bool | None = None  # None: the method's default (asymmetric for AWQ, as in AutoAWQ)
+    preset: Preset | None = None  # W4A16 ... as compressed-tensors names them; the keys below, when given, win
+    bits: Bits | None = None  # None: the preset's, else QuantScheme's
+    group_size: int | None = None  # -1: per-channel; None: the preset's, else QuantScheme's
+    symmetric: bool | None = None  # None: the preset's, else the method's default (asymmetric for AWQ)
     act_order: bool | None = None  # None: the method's default (on for gptq and awq+gptq)
     static_groups: bool | None = None  # None: the method's default (on: no g_idx)
     mse_clip: bool | None = None  # None: the method's default (on for gptq: Hessian-weighted)
 
     @field_validator("group_size")
     @classmethod
-    def _group_size(cls, value: int) -> int:
+    def _group_size(cls, value: int | None) -> int | None:
         """A positive size, or -1 for one group per output channel."""
-        if value == 0 or value < -1:
+        if value is not None and (value == 0 or value < -1):
             raise ValueError(f"expected a positive size such as 64 or 128, or -1, got {value}")
         return value
+
+    def resolve(self, defaults: dict[str, bool]) -> QuantScheme:
+        """The scheme: each key given wins, then the preset's layout, then the method's ``defaults``."""
+        fields = self.model_dump(exclude={"preset"})
+        return resolve_scheme(defaults, None if self.preset is None else preset(self.preset), **fields)
 
 
 class MixedSection(FileModel):
@@ -109,29 +115,25 @@ class MixedSection(FileModel):
 
 
 class QuantizationSection(FileModel):
-    method: Method = DEFAULT_METHOD
     scheme: SchemeSection = Field(default_factory=SchemeSection)
-    damp: float = Field(GPTQConfig.damp, ge=0, lt=1)
-    float_targets: bool = GPTQConfig.float_targets  # GPTQ toward the float model's outputs (GPTAQ)
+    # the algorithms, by name (recipes/solver_sections.py); default: the default method's
+    solvers: SolversSection = Field(default_factory=lambda: SolversSection(**{DEFAULT_METHOD: {}}))  # type: ignore[valid-type]
     ignore: list[Regex] = Field(default_factory=list)
-    rotate: RotationKind = RotationConfig().kind  # a rotation folded into the weights before solving
-    rotate_seed: int = RotationConfig().seed
-    tune_steps: int = Field(0, ge=0)  # block-output tuning steps per block (0: off)
-    tune_lr: float = Field(TuneConfig.lr, gt=0)  # tuning: learning rate of the rounding offsets
-    tune_scale_lr: float = Field(TuneConfig.scale_lr, gt=0)  # tuning: learning rate of the scale multipliers
-    tune_batch_windows: int = Field(TuneConfig.batch_windows, ge=1)  # tuning: calibration windows per step
-    refit_head: bool = QuantizeConfig.refit_head  # refit the float head to the quantized body
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
+    batch_size: int = Field(QuantizeConfig.batch_size, ge=1)  # calibration windows per forward pass
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme
 
-    @model_validator(mode="after")
-    def _float_targets_need_gptq(self) -> QuantizationSection:
-        try:
-            check_float_targets(self.method, self.float_targets)
-        except QuantkitError as error:
-            raise rule_error(str(error), "float_targets") from None
-        return self
+    @field_validator("scheme", mode="before")
+    @classmethod
+    def _preset_name(cls, value: Any) -> Any:
+        """``scheme: W4A16`` is short for ``scheme: {preset: W4A16}``."""
+        return {"preset": value} if isinstance(value, str) else value
+
+    @field_validator("solvers", mode="before")
+    @classmethod
+    def _solvers_forms(cls, value: Any) -> Any:
+        return normalize_solvers(value)
 
     @model_validator(mode="after")
     def _one_source_of_schemes(self) -> QuantizationSection:
@@ -144,21 +146,13 @@ class QuantizationSection(FileModel):
             )
         return self
 
-    def rotation(self) -> RotationConfig:
-        return RotationConfig(kind=self.rotate, seed=self.rotate_seed)  # type: ignore[arg-type]
+    def solver_configs(self) -> list[Any]:
+        """The algorithm configs of ``solvers``, in run order."""
+        return configs_of(self.solvers)
 
     def quant_scheme(self) -> QuantScheme:
-        """The scheme to quantize with; options left null take the method's defaults."""
-        s = self.scheme
-        return resolve_scheme(
-            self.method,
-            bits=s.bits,
-            group_size=s.group_size,
-            symmetric=s.symmetric,
-            act_order=s.act_order,
-            static_groups=s.static_groups,
-            mse_clip=s.mse_clip,
-        )
+        """The scheme to quantize with; keys left null take the preset's, then the method's defaults."""
+        return self.scheme.resolve(JobSteps(self.solver_configs()).scheme_defaults())
 
 
 class OutputSection(FileModel):
@@ -232,6 +226,10 @@ def recipe_from_text(text: str, label: str = "recipe", overrides: list[str] | No
         raise RecipeError(f"{label}: the recipe is empty; start from `quantkit recipe new`")
     if isinstance(data, LocatedDict):  # otherwise validation says what the recipe should be
         apply_overrides(data, list(overrides or []), label, secrets)
+        try:
+            upgrade_flat_keys(data.get("quantization"), label)
+        except QuantkitError as exc:
+            raise RecipeError(str(exc)) from None
     recipe = validate(Recipe, data, label, error=RecipeError)
     recipe._secrets = secrets
     return recipe

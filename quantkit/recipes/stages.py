@@ -17,7 +17,6 @@ from quantkit.atomic import write_json
 from quantkit.errors import QuantkitError
 from quantkit.progress import Interrupted
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.solvers.tune import TuneConfig
 from quantkit.recipes.cache import checkpoint_hash, content_key, model_identity, recipe_cache_root
 from quantkit.recipes.report import StageRecord
 from quantkit.recipes.schema import Recipe
@@ -113,20 +112,20 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
     from quantkit.mixed.measurement import load_measurement
     from quantkit.mixed.plan_file import save_plan
     from quantkit.mixed.planner import plan
-    from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity
-    from quantkit.quantization.solvers.gptq import GPTQConfig
+    from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity, solver_options
 
     quantization = run.recipe.quantization
     mixed = quantization.mixed
     assert mixed is not None
     with run.stage("sensitivity") as st:
         solver = quantization.quant_scheme()
+        gptq = solver_options(quantization.solver_configs())  # candidates are solved as quantize solves them
         st.key = content_key(
             model=model_id,
             calibration=run.hashes["calibration"],
             candidates=mixed.candidates,
             mode=mixed.mode,
-            damp=quantization.damp,
+            damp=gptq.damp,
             act_order=solver.act_order,
             mse_clip=solver.mse_clip,
         )
@@ -138,7 +137,7 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
             config = SensitivityConfig(
                 candidates=list(mixed.candidates),
                 mode=mixed.mode,
-                gptq=GPTQConfig(damp=quantization.damp),
+                gptq=gptq,
                 act_order=solver.act_order,
                 mse_clip=solver.mse_clip,
                 calibration_file=calib_path,
@@ -270,20 +269,15 @@ def check_layouts(run: RecipeRun, model_path: Path) -> None:
 def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | None) -> QuantizeConfig:
     """The recipe's quantization section as a job config (the output is replaced once the new one is done)."""
     from quantkit.mixed.plan_apply import planned_schemes
-    from quantkit.quantization.methods import expand_method
-    from quantkit.quantization.solvers.gptq import GPTQConfig
 
     q = run.recipe.quantization
-    gptq = GPTQConfig(damp=q.damp, float_targets=q.float_targets)
     return QuantizeConfig(
-        solvers=[gptq if isinstance(s, GPTQConfig) else s for s in expand_method(q.method)],
+        solvers=q.solver_configs(),
         scheme=q.quant_scheme(),
         calibration_file=calib_path,
         ignore=list(q.ignore),
-        rotation=q.rotation(),
-        tune=TuneConfig(steps=q.tune_steps, lr=q.tune_lr, scale_lr=q.tune_scale_lr, batch_windows=q.tune_batch_windows),
-        refit_head=q.refit_head,
         layout_policy=q.layout_policy,
+        batch_size=q.batch_size,
         export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),
         force=True,

@@ -9,8 +9,10 @@ from quantkit.data.calibration import CalibrationConfig
 from quantkit.device import DEFAULT_DEVICE
 from quantkit.errors import QuantkitError
 from quantkit.eval.evaluate import DEFAULT_EVAL_WINDOWS
+from quantkit.format.presets import PRESETS
 from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.composition import DEFAULT_METHOD, parse_method
 
 _TEMPLATE = """\
 # quantkit recipe: run with `quantkit run THIS.yaml [--set key.path=value] [--report DIR]`.
@@ -29,17 +31,21 @@ calibration:
   select: random               # random | diverse
 
 quantization:
-  method: gptq                 # rtn | gptq | awq | awq+gptq
   scheme:
+    preset: @preset@           # @presets@; the keys below win
     bits: 4                    # 2 | 3 | 4 | 8
     group_size: @group_size@   # 32, 64, 128 ... or -1 for per-channel
     symmetric: true            # omit: symmetric, asymmetric for AWQ
     act_order: true            # GPTQ: columns by descending Hessian diagonal (omit: on for gptq, awq+gptq)
     static_groups: true        # with act_order: groups in column order, no g_idx (omit: on)
     mse_clip: true             # Hessian-weighted range shrinking (omit: on for gptq)
-  damp: @damp@                 # GPTQ damping (fraction of the mean Hessian diagonal)
+  solvers:                     # one of rtn | gptq, and any of rotation {kind, seed}, awq {}, float_targets {},
+    gptq:                      # tune {steps, lr}, head_refit {}; each runs at its place whatever the order written
+      damp: @damp@             # damping (fraction of the mean Hessian diagonal)
+      block_size: @block_size@ # lazy-update block size
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
-  layout_policy: strict        # strict | fallback (smaller groups where needed) | quantkit-only
+  layout_policy: @layout@      # fallback (a smaller group where one does not divide) | strict (stop) | quantkit-only
+  batch_size: @batch_size@     # calibration windows per forward pass
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
   # mixed:
   #   target_bits: 4.5         # or max_size_mb: 60
@@ -76,7 +82,12 @@ _DEFAULTS = {  # written in the configs that use them
     "num_samples": CalibrationConfig.num_samples,
     "seq_len": CalibrationConfig.seq_len,
     "group_size": QuantScheme.group_size,
-    "damp": GPTQConfig.damp,
+    "preset": next(name for name, scheme in PRESETS.items() if scheme == QuantScheme()),
+    "presets": " | ".join(PRESETS),
+    "damp": parse_method(DEFAULT_METHOD)[0].damp,
+    "block_size": parse_method(DEFAULT_METHOD)[0].block_size,
+    "layout": QuantizeConfig.layout_policy,
+    "batch_size": QuantizeConfig.batch_size,
     "device": DEFAULT_DEVICE,
     "eval_windows": DEFAULT_EVAL_WINDOWS,
 }

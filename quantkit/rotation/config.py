@@ -1,14 +1,13 @@
-"""Which rotation to fold into a model, and the matrices it stands for."""
+"""The matrices a rotation stands for."""
 
 from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal, Protocol, get_args
 
 import torch
 
-from quantkit.errors import QuantkitError
 from quantkit.rotation.hadamard import random_rotation
 
 if TYPE_CHECKING:
@@ -18,25 +17,12 @@ RotationKind = Literal["none", "hadamard"]
 ROTATION_KINDS: tuple[str, ...] = get_args(RotationKind)
 
 
-@dataclass(slots=True, frozen=True)
-class RotationConfig:
-    """``kind`` "none" leaves the model as it is; "hadamard" folds a randomized Hadamard rotation into the
-    residual stream and (with ``rotate_heads``) one per attention head between v_proj and o_proj."""
+class RotationSpec(Protocol):
+    """Which rotation (``quantization/methods/rotation.py`` holds it, with its defaults)."""
 
-    kind: RotationKind = "none"
-    seed: int = 0
-    rotate_heads: bool = True
-
-    def __post_init__(self) -> None:
-        if self.kind not in ROTATION_KINDS:
-            raise QuantkitError(f"unknown rotation kind {self.kind!r}; use one of: {', '.join(ROTATION_KINDS)}")
-
-    @property
-    def name(self) -> str:
-        """Short and stable, for fingerprints and file names: "none", "hadamard-s0", "hadamard-s0-nohead"."""
-        if self.kind == "none":
-            return "none"
-        return f"{self.kind}-s{self.seed}" + ("" if self.rotate_heads else "-nohead")
+    kind: str  # one of ROTATION_KINDS
+    seed: int
+    rotate_heads: bool
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,7 +44,7 @@ def head_dim_of(model_config: PretrainedConfig) -> int:
     return int(head_dim) if head_dim else model_config.hidden_size // model_config.num_attention_heads
 
 
-def rotations_for(config: RotationConfig, model_config: PretrainedConfig) -> Rotations:
+def rotations_for(config: RotationSpec, model_config: PretrainedConfig) -> Rotations:
     """The residual and head rotations ``config`` gives for a model's config."""
     if config.kind == "none":
         return Rotations(residual=None, head=None)

@@ -11,12 +11,12 @@ The torch backend runs ``scaled_dot_product_attention`` (decode packs the query 
 so grouped-query attention needs no K/V repeat). The Triton backend uses the ``kv_cache_write`` and
 ``paged_attention`` kernels and the torch prefill.
 
-8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): with ``k_scale``/``v_scale`` (float16 ``[num_blocks,
-block_size, Hkv]``) the caches hold int8 / float8_e4m3fn values; every write quantizes (per token and kv head)
-and every read dequantizes; keys are stored in a rotated basis, so queries are rotated the same way.
-Prefill then always reads K/V back from the pages, the fresh rows included, so a token sees the same (quantized)
-keys and values whether its context was computed in one prefill, in chunks, from the prefix cache or by
-decoding. Without scales every path is exactly the unquantized one.
+8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): a layer's :class:`LayerKV` then carries ``k_scale``/``v_scale``
+(float16 ``[num_blocks, block_size, Hkv]``) and the caches hold int8 / float8_e4m3fn values; every write quantizes
+(per token and kv head) and every read dequantizes; keys are stored in a rotated basis (``LayerKV.rotation``), so
+queries are rotated the same way. Prefill then always reads K/V back from the pages, the fresh rows included, so a
+token sees the same (quantized) keys and values whether its context was computed in one prefill, in chunks, from
+the prefix cache or by decoding. Without scales every path is exactly the unquantized one.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels.backend import triton_available
-from quantkit.runtime.kv_cache import gather_pages, kv_rotation, rotate, write_key_value_rows
+from quantkit.runtime.kv_cache import LayerKV, gather_pages, rotate, write_key_value_rows
 
 
 @dataclass(slots=True)
@@ -48,61 +48,28 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name = "base"
 
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None:
-        if k_scale is not None and v_scale is not None:  # 8-bit cache: quantize each (token, head) row
-            write_key_value_rows(k, v, (k_cache, v_cache), (k_scale, v_scale), meta.slot_mapping)
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> None:
+        if kv.k_scale is not None and kv.v_scale is not None:  # 8-bit cache: quantize each (token, head) row
+            write_key_value_rows(k, v, (kv.k, kv.v), (kv.k_scale, kv.v_scale), meta.slot_mapping)
             return
-        heads, dim = k_cache.shape[2], k_cache.shape[3]
-        k_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        heads, dim = kv.k.shape[2], kv.k.shape[3]
+        kv.k.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, k.to(kv.k.dtype))
+        kv.v.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(kv.v.dtype))
 
     @abstractmethod
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Decode attention (one query token per sequence) over the paged cache (dequantized with scales)."""
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
     ) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]`` (scales: an 8-bit cache)."""
-        if k_scale is None:
-            self.write_kv(k, v, k_cache, v_cache, meta)
-            if meta.is_prefill:
-                return prefill_attention(q, k, v, k_cache, v_cache, meta, scale)
-            return self.decode(q, k_cache, v_cache, meta, scale)
-        # 8-bit cache: keys are stored rotated (kv_cache's docstring), so attend with rotated queries
-        rotation = kv_rotation(q.shape[-1], q.device)
-        q, k = rotate(q, rotation), rotate(k, rotation)
-        self.write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        if kv.rotation is not None:  # keys are stored rotated (kv_cache's docstring), so attend with rotated queries
+            q, k = rotate(q, kv.rotation), rotate(k, kv.rotation)
+        self.write_kv(k, v, kv, meta)
         if meta.is_prefill:
-            return prefill_attention(q, k, v, k_cache, v_cache, meta, scale, k_scale=k_scale, v_scale=v_scale)
-        return self.decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+            return prefill_attention(q, k, v, kv, meta, scale)
+        return self.decode(q, kv, meta, scale)
 
 
 def _gather(
@@ -121,26 +88,17 @@ def _gather(
 
 
 def prefill_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    *,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its context. With ``k_scale``/``v_scale`` (an 8-bit
-    cache, already written) K/V are always read back from the pages and dequantized, the new rows included."""
+    """Causal attention of each sequence's new queries over its context. With an 8-bit cache (already written)
+    K/V are always read back from the pages and dequantized, the new rows included."""
     out = torch.empty_like(q)
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
         qi = q[start : start + n].transpose(0, 1)  # [Hq, n, D]
-        if k_scale is not None and v_scale is not None:  # 8-bit cache: what the pages hold
+        if kv.k_scale is not None and kv.v_scale is not None:  # 8-bit cache: what the pages hold
             table = meta.block_tables[i]
-            ki, vi = _gather(k_cache, table, ctx, k_scale, q.dtype), _gather(v_cache, table, ctx, v_scale, q.dtype)
+            ki, vi = _gather(kv.k, table, ctx, kv.k_scale, q.dtype), _gather(kv.v, table, ctx, kv.v_scale, q.dtype)
             mask = None
             if ctx != n:
                 q_pos = torch.arange(ctx - n, ctx, device=q.device)
@@ -148,7 +106,7 @@ def prefill_attention(
         elif ctx == n:  # nothing cached before this chunk: attend to the fresh rows
             ki, vi, mask = k[start : start + n], v[start : start + n], None
         else:  # a cached prefix or an earlier chunk: read the whole context back from the pages
-            ki, vi = _gather(k_cache, meta.block_tables[i], ctx), _gather(v_cache, meta.block_tables[i], ctx)
+            ki, vi = _gather(kv.k, meta.block_tables[i], ctx), _gather(kv.v, meta.block_tables[i], ctx)
             ki, vi = ki.to(q.dtype), vi.to(q.dtype)
             q_pos = torch.arange(ctx - n, ctx, device=q.device)
             mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # bottom-right causal
@@ -169,38 +127,21 @@ def prefill_attention(
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        return torch_decode(q, kv, meta, scale)
 
 
-def torch_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+def torch_decode(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Decode attention with torch ops (any device); with scales the gathered pages are dequantized."""
     bsz, hq, dim = q.shape
-    hkv = k_cache.shape[2]
+    hkv = kv.k.shape[2]
     pages = meta.block_tables.flatten()  # index_select is much faster than advanced indexing on CPU
-    if k_scale is not None and v_scale is not None:
-        k = gather_pages(k_cache, k_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
-        v = gather_pages(v_cache, v_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
+    if kv.k_scale is not None and kv.v_scale is not None:
+        k = gather_pages(kv.k, kv.k_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
+        v = gather_pages(kv.v, kv.v_scale, pages, q.dtype).view(bsz, -1, hkv, dim).transpose(1, 2)
     else:
-        k = k_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)  # [B, Hkv, L, D]
-        v = v_cache.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
+        k = kv.k.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)  # [B, Hkv, L, D]
+        v = kv.v.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
     mask = meta.decode_mask
     if mask is None:
         mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
@@ -213,50 +154,28 @@ def torch_decode(
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def write_kv(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> None:
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> None:
         from quantkit.runtime.kernels.kv_cache_write import kv_cache_write
 
-        if k_scale is None:
-            kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        elif not _triton_handles(k_cache):
-            super().write_kv(k, v, k_cache, v_cache, meta, k_scale, v_scale)
+        if kv.quantized and not _triton_handles(kv.k):
+            super().write_kv(k, v, kv, meta)
         else:
-            kv_cache_write(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+            kv_cache_write(k, v, kv.k, kv.v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
-    def decode(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        k_scale: torch.Tensor | None = None,
-        v_scale: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         from quantkit.runtime.kernels.paged_attention import paged_attention
 
-        if k_scale is None:
-            return paged_attention(q.contiguous(), k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
-        if not _triton_handles(k_cache):
-            return torch_decode(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if kv.quantized and not _triton_handles(kv.k):
+            return torch_decode(q, kv, meta, scale)
         return paged_attention(
             q.contiguous(),
-            k_cache,
-            v_cache,
+            kv.k,
+            kv.v,
             meta.block_tables,
             meta.context_lens,
             scale,
-            k_scale=k_scale,
-            v_scale=v_scale,
+            k_scale=kv.k_scale,
+            v_scale=kv.v_scale,
         )
 
 
@@ -269,9 +188,14 @@ def _triton_handles(cache: torch.Tensor) -> bool:
 
 
 def select_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto``: Triton on CUDA when it imports, else torch; ``triton`` fails clearly where it cannot run."""
+    """``auto``: Triton on CUDA when it imports and its kernels pass their check, else torch (with a warning naming
+    a failed kernel); ``triton`` fails clearly where it cannot run."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        name = "torch"
+        if device.type == "cuda" and triton_available():
+            from quantkit.runtime.kernels.selfcheck import kernels_usable  # each kernel run once per device
+
+            name = "triton" if kernels_usable(device) else "torch"
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":

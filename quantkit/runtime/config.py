@@ -1,45 +1,73 @@
-"""Engine configuration: batching limits, KV-cache size, backend and dtype (validated once, up front)."""
+"""Engine configuration: batching limits, KV-cache size, backend and dtype (validated once, up front).
+
+Each field's ``help`` (its metadata) is the one description of the option: ``quantkit serve`` and ``quantkit bench``
+turn every field into a command-line option with that help and the field's default
+(:mod:`quantkit.cli.engine_options`), so a new field is a new option without another edit.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from quantkit.device import DEFAULT_DEVICE, resolve_device
+from quantkit.device import DEFAULT_DEVICE, DEVICE_HELP, resolve_device
 from quantkit.errors import QuantkitError
 
 BACKENDS = ("auto", "torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_KV_CACHE_MEMORY = 256 * 1024**2  # bytes, when neither num_kv_blocks nor kv_cache_memory is given
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 4096
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # auto: the compute dtype; int8/fp8: 8-bit values with scales
 SPECULATIVE_METHODS = ("ngram", "draft")  # prompt lookup, or a smaller draft model
 MAX_SPECULATIVE_TOKENS = 16
 
 
+def _option(default: Any, help: str) -> Any:
+    """A field whose ``help`` is its command-line help."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 32  # running sequences at most
-    max_num_batched_tokens: int = 4096  # tokens per step at most
-    max_model_len: int | None = None  # prompt + completion at most; None: min(model's max positions, 4096)
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # KV blocks; None: sized from kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for the KV cache (all layers, K and V)
-    backend: str = "auto"  # "auto": triton on CUDA when available, else torch
-    dtype: str = "auto"  # compute / KV dtype; "auto": float32 on CPU, bfloat16 on CUDA
-    device: str = DEFAULT_DEVICE  # "auto": cuda when available, else cpu (quantkit.device)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = False
-    seed: int = 0  # seeds the engine's generator for requests without their own seed
-    kv_cache_dtype: str = "auto"  # see KV_CACHE_DTYPES
-    speculative: str | None = None  # None (off), or one of SPECULATIVE_METHODS
-    num_speculative_tokens: int = 4  # K: tokens drafted per step, 1..MAX_SPECULATIVE_TOKENS
-    draft_model: str | None = None  # with speculative="draft": a smaller model with the same tokenizer
+    max_num_seqs: int = _option(32, "Sequences in the running batch at most.")
+    max_num_batched_tokens: int | None = _option(
+        None,
+        f"Tokens per step at most (default: max({DEFAULT_MAX_NUM_BATCHED_TOKENS}, --max-model-len), so that a whole "
+        "prompt fits one prefill step).",
+    )
+    max_model_len: int | None = _option(None, "Prompt + completion tokens at most (default: min(model's, 4096)).")
+    block_size: int = _option(16, "Tokens per KV-cache block.")
+    num_kv_blocks: int | None = _option(None, "KV-cache blocks (default: sized from --kv-cache-memory).")
+    kv_cache_memory: int | None = _option(
+        None, f"Bytes for the KV cache, all layers, K and V (default: {DEFAULT_KV_CACHE_MEMORY // 1024**2} MiB)."
+    )
+    backend: str = _option("auto", f"Attention backend: {', '.join(BACKENDS)} (auto: triton on CUDA, else torch).")
+    dtype: str = _option("auto", f"Compute dtype: {', '.join(DTYPES)} (auto: float32 on CPU, bfloat16 on CUDA).")
+    device: str = _option(DEFAULT_DEVICE, DEVICE_HELP)
+    enable_prefix_caching: bool = _option(True, "Reuse the KV blocks of prompt prefixes seen before.")
+    enable_chunked_prefill: bool = _option(False, "Prefill long prompts in chunks of --max-num-batched-tokens.")
+    seed: int = _option(0, "Seeds sampling for requests without their own seed.")
+    kv_cache_dtype: str = _option(
+        "auto",
+        f"KV-cache storage: {', '.join(KV_CACHE_DTYPES)} (auto: the compute dtype; int8/fp8: 8 bits with a scale per "
+        "token and head, about 2x the tokens of bf16 in the same memory).",
+    )
+    speculative: str | None = _option(
+        None,
+        f"Speculative decoding: {' or '.join(SPECULATIVE_METHODS)} (n-gram prompt lookup, or --draft-model). Greedy "
+        "output is unchanged; sampled output keeps its distribution.",
+    )
+    num_speculative_tokens: int = _option(4, f"Tokens drafted per step (1..{MAX_SPECULATIVE_TOKENS}).")
+    draft_model: str | None = _option(None, "With --speculative draft: a smaller model with the same tokenizer.")
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "block_size"):
             _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
+        for name in ("max_num_batched_tokens", "max_model_len", "num_kv_blocks", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
+        if self.max_num_batched_tokens is None:  # without chunked prefill a whole prompt must fit one step
+            self.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len or 0)
         if self.backend not in BACKENDS:
             raise QuantkitError(f"backend={self.backend!r} is invalid; use one of {list(BACKENDS)}")
         if self.dtype not in DTYPES:

@@ -35,6 +35,7 @@ as they are. The kernels need no change: they store and read whatever rows they 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -166,6 +167,23 @@ def gather_pages(
 # ------------------------------------------------------------------------------------ the cache
 
 
+@dataclass(slots=True, frozen=True)
+class LayerKV:
+    """One layer's paged cache, what its attention reads and writes: key and value pages ``[num_blocks, block_size,
+    Hkv, D]`` (views into :class:`KVCache`) and, for 8-bit storage, their float16 scales ``[num_blocks, block_size,
+    Hkv]`` and the rotation keys are stored in (all ``None`` when the cache holds the compute dtype)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # [D, D] float32 (:func:`kv_rotation`)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+
 class KVCache:
     """Every layer's K/V pages: ``values [2, L, num_blocks, block_size, Hkv, D]`` (K then V) in the storage
     dtype and, for 8-bit storage, ``scales [2, L, num_blocks, block_size, Hkv]`` float16 (else ``None``)."""
@@ -199,8 +217,9 @@ class KVCache:
         scales = self.scales.nbytes if self.scales is not None else 0
         return self.values.nbytes + scales
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(k_cache, v_cache, k_scale, v_scale) of layer ``i`` (scales ``None`` when not quantized)."""
+    def layer(self, i: int) -> LayerKV:
+        """Layer ``i``'s pages (and, for 8-bit storage, its scales and the key rotation)."""
         if self.scales is None:
-            return self.values[0, i], self.values[1, i], None, None
-        return self.values[0, i], self.values[1, i], self.scales[0, i], self.scales[1, i]
+            return LayerKV(self.values[0, i], self.values[1, i])
+        rotation = kv_rotation(self.values.shape[-1], self.values.device)
+        return LayerKV(self.values[0, i], self.values[1, i], self.scales[0, i], self.scales[1, i], rotation)

@@ -25,6 +25,7 @@ from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO, read_line
 
 if TYPE_CHECKING:
     from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
+    from quantkit.runtime.kv_cache import LayerKV
 
 # ----------------------------------------------------------------------------------------------- RMSNorm
 
@@ -295,10 +296,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused dense weight, set by prepare
         self.backend: AttentionBackend | None = None  # set by the model runner
-        self.k_cache: torch.Tensor | None = None  # [num_blocks, block_size, Hkv, D], set by the model runner
-        self.v_cache: torch.Tensor | None = None
-        self.k_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] float16 with an 8-bit cache
-        self.v_scale: torch.Tensor | None = None
+        self.kv: LayerKV | None = None  # this layer's paged cache, set by the model runner
 
     def prepare(self) -> None:
         self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -318,7 +316,6 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        assert self.backend is not None and self.k_cache is not None and self.v_cache is not None
-        scales = {} if self.k_scale is None else {"k_scale": self.k_scale, "v_scale": self.v_scale}
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache, meta, self.scale, **scales)
+        assert self.backend is not None and self.kv is not None
+        out = self.backend.forward(q, k, v.contiguous(), self.kv, meta, self.scale)
         return self.o_proj(out.reshape(t, q_size))

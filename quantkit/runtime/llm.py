@@ -16,6 +16,10 @@ class LLM:
     """``model``: a quantized checkpoint, a Hugging Face model directory, an alias or a hub id.
 
     ``engine_kwargs`` are :class:`~quantkit.runtime.config.EngineConfig` fields (max_num_seqs, backend, ...).
+
+    The process-wide allocator policy stays the caller's: ``quantkit serve``, ``bench`` and ``smoke`` keep freed
+    memory for reuse (faster decode steps); a script that mostly generates may call
+    :func:`quantkit.memory.keep_freed_memory_for_reuse` itself, one that also quantizes should not.
     """
 
     def __init__(self, model: str | Path, **engine_kwargs: Any) -> None:

@@ -1,4 +1,7 @@
-"""Llama-family decoder (llama, mistral, qwen2, qwen3) for the runtime, loaded straight from safetensors.
+"""Llama-family decoder for the runtime, loaded straight from safetensors.
+
+Which model types it runs and how they differ (q/k/v bias, q/k norm, sliding window by default) is read from the
+architecture table, :mod:`quantkit.model.architectures`: every family there is a Llama-shaped decoder.
 
 The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load
 as they are: the model is built on the meta device from config.json, every Linear the quantization_config
@@ -22,10 +25,9 @@ from quantkit.errors import QuantkitError, UnsupportedArchitectureError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
 from quantkit.format.tensors import SCALE
+from quantkit.model.architectures import arch_for_model_type
 from quantkit.runtime.attention_backend import AttentionMetadata
 from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,16 +52,13 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise UnsupportedArchitectureError(
-                f"model_type {model_type!r} is not supported by the runtime; supported: {list(SUPPORTED_MODEL_TYPES)}"
-            )
+        model_type = str(cfg.get("model_type") or "<missing model_type>")
+        arch = arch_for_model_type(model_type)  # raises UnsupportedArchitectureError naming the supported ones
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedArchitectureError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
         heads = int(cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch.sliding_window_by_default) else None
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -72,10 +71,10 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,  # Qwen2 always has q/k/v bias
+            qkv_bias=arch.qkv_bias or attention_bias,
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=arch.qk_norm,
             rope=RopeConfig.from_hf(cfg),
             sliding_window=int(window) if window else None,
         )

@@ -58,8 +58,7 @@ class ModelRunner:
         self.kv_cache = self.cache.values  # [2, L, num_blocks, block_size, Hkv, D]; scales in self.cache.scales
         layers = [m for m in model.modules() if isinstance(m, Attention)]
         for i, attn in enumerate(layers):
-            attn.k_cache, attn.v_cache, attn.k_scale, attn.v_scale = self.cache.layer(i)
-            attn.backend = backend
+            attn.kv, attn.backend = self.cache.layer(i), backend
 
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

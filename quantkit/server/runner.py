@@ -15,9 +15,10 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from quantkit.server.app import ServerState, create_app
+from quantkit.server.app import create_app
 from quantkit.server.config import ServeConfig
 from quantkit.server.protocol import APIError
+from quantkit.server.state import ServerState
 
 _FLUSH_S = 2.0  # after the drain timeout: time the ended requests get to send their error responses
 

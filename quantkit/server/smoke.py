@@ -1,8 +1,9 @@
 """Serving smoke test: start the server on a free loopback port, send completion, chat and streaming requests,
 check they are well formed and that greedy output equals the offline engine's (``quantkit.LLM``), stop it.
 
-``run_smoke(model, prompts=None, max_tokens=16) -> SmokeReport`` is the contract other tools rely on. A model
-that cannot be loaded raises ``QuantkitError``; every other problem is a line in ``SmokeReport.failures``.
+``run_smoke(model, prompts=None, max_tokens=SMOKE_MAX_TOKENS) -> SmokeReport`` is the contract other tools rely
+on. A model that cannot be loaded raises ``QuantkitError``; every other problem is a line in
+``SmokeReport.failures``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_PROMPTS = ["The capital of France is", "Once upon a time, there was"]
+SMOKE_MAX_TOKENS = 16  # completion tokens per request (the CLI's and the recipes' default too)
 _MODEL_NAME = "smoke"
 _TIMEOUT_S = 120.0  # per request
 
@@ -50,11 +52,11 @@ class _Tally:
         return ok
 
 
-def run_smoke(model: str | Path, prompts: list[str] | None = None, max_tokens: int = 16) -> SmokeReport:
+def run_smoke(model: str | Path, prompts: list[str] | None = None, max_tokens: int = SMOKE_MAX_TOKENS) -> SmokeReport:
     import httpx
 
     from quantkit.server import ServeConfig, ServerThread, create_app
-    from quantkit.server.app import chat_prompt_ids
+    from quantkit.server.tokenizing import chat_prompt_ids
 
     start = time.perf_counter()
     prompts = list(prompts or DEFAULT_PROMPTS)

@@ -3,6 +3,7 @@ and one-line errors for bad engine options."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from helpers.cli import run_cli
 
 from quantkit.bench.report import percentile
 from quantkit.bench.workload import copied_fraction, make_workload
+from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.step_profile import STAGES
 
 
@@ -23,15 +25,21 @@ def _bench(model: Path, tmp_path: Path, capsys, *extra: str) -> tuple[dict, str]
 
 @pytest.mark.slow
 def test_bench_reports_throughput_latency_memory_and_stages(tiny_model_dir, tmp_path, capsys):
+    from quantkit.model.resolve import load_tokenizer
+
     report, stdout = _bench(tiny_model_dir, tmp_path, capsys, "--requests", "6", "--concurrency", "4")
+    # the tiny model's context is 128 tokens: the workload the command must have run
+    expected = make_workload(load_tokenizer(tiny_model_dir), 6, "free", seed=0, max_model_len=128)
     assert report["workload"] == {
         "kind": "free",
         "requests": 6,
         "seed": 0,
         "concurrency": 4,
-        "prompt_tokens": report["workload"]["prompt_tokens"],
-        "max_tokens": report["workload"]["max_tokens"],
+        "prompt_tokens": sum(len(r.prompt) for r in expected),
+        "max_tokens": sum(r.max_tokens for r in expected),
     }
+    assert [r["prompt_tokens"] for r in report["per_request"]] == [len(r.prompt) for r in expected]
+    assert all(0 < r["output_tokens"] <= q.max_tokens for r, q in zip(report["per_request"], expected, strict=True))
     for key in ("wall_s", "requests_per_s", "output_tokens", "output_tokens_per_s", "peak_rss_mb", "steps"):
         assert report[key] > 0, key
     for key in ("ttft_s", "tpot_s"):
@@ -75,6 +83,16 @@ def test_speculation_reports_acceptance_and_tokens_per_step(tiny_model_dir, tmp_
     spec = report["speculation"]
     assert spec["drafted"] > 0 and 0 <= spec["acceptance_rate"] <= 1 and spec["tokens_per_step"] >= 1
     assert report["engine"]["speculative"] == "ngram" and "acceptance" in stdout
+
+
+@pytest.mark.slow
+def test_every_engine_option_reaches_the_engine(tiny_model_dir, tmp_path, capsys):
+    args = ("--requests", "2", "--num-kv-blocks", "48", "--max-model-len", "96", "--no-enable-prefix-caching")
+    report, _ = _bench(tiny_model_dir, tmp_path, capsys, *args, "--block-size", "8")
+    want = EngineConfig(num_kv_blocks=48, max_model_len=96, enable_prefix_caching=False, block_size=8)
+    assert report["engine"] == dataclasses.asdict(want)
+    assert report["kv_cache"]["num_blocks"] == 48 and report["kv_cache"]["block_size"] == 8
+    assert report["kv_cache"]["capacity_tokens"] == 48 * 8
 
 
 def test_the_workload_is_fixed_by_its_seed_and_fits_the_context(tiny_model_dir):

@@ -8,21 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from compressed_tensors.compressors import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationConfig
+from compressed_tensors.utils.match import match_named_modules, match_targets
+from helpers.checkpoint import save_quantized_model
 from helpers.tiny import rtn_for_tests, tiny_llama
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from quantkit.errors import QuantkitError
 from quantkit.format.quantization_config import build_quantization_config, parse_quantization_config
-from quantkit.format.save_model import save_quantized_model
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import linear_tensors, read_linear
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE, ShardedWriter
-
-ct = pytest.importorskip("compressed_tensors")
-from compressed_tensors.compressors import PackedQuantizationCompressor  # noqa: E402
-from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
-from compressed_tensors.utils.match import match_named_modules, match_targets  # noqa: E402
 
 N, K = 24, 576  # N*3/32 is not whole: zero points straddle words; K=576 with g128 leaves a short group
 

@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import tomllib
+from helpers.paths import REPO
+from packaging.requirements import Requirement
+from packaging.specifiers import Specifier, SpecifierSet
 
 from quantkit.format.engines import (
     AMPERE,
+    DENSE_PACKING_SINCE,
     HOPPER,
+    TRANSFORMERS_VERSIONS,
     fallback_scheme,
     gguf_type,
     gptq_support,
@@ -95,6 +101,18 @@ def test_loads_in_counts_layers_per_kernel():
     assert hopper.summary.startswith("Marlin 1, Machete 1, refused 1 (group size 128")
     assert verdicts["GGUF (quantkit export)"].summary == "Q4_0 3"
     symmetric = {v.engine: v for v in loads_in(layers[:2])}
-    assert symmetric["transformers"].loads and "refuses" not in symmetric["transformers"].summary
+    assert symmetric["transformers"].loads and "refuse" not in symmetric["transformers"].summary
     asym = loads_in([LayerShape("q", s(symmetric=False), 576, 576)])[0]
-    assert "5.23.0 refuses asymmetric" in asym.summary
+    assert "5.23 and 5.24 refuse asymmetric" in asym.summary
+    assert f"transformers {TRANSFORMERS_VERSIONS} with compressed-tensors" in asym.summary
+
+
+def _pins(extra: str | None = None) -> dict[str, SpecifierSet]:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    listed = project["optional-dependencies"][extra] if extra else project["dependencies"]
+    return {requirement.name: requirement.specifier for requirement in map(Requirement, listed)}
+
+
+def test_the_transformers_range_inspect_prints_is_the_pyproject_pin():
+    assert _pins()["transformers"] == SpecifierSet(TRANSFORMERS_VERSIONS)
+    assert Specifier(f">={DENSE_PACKING_SINCE}") in set(_pins("dev")["compressed-tensors"])

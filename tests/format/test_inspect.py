@@ -10,6 +10,7 @@ import pytest
 import torch
 from helpers.tiny import rtn_for_tests
 
+from quantkit.format.engines import VLLM_VERSION
 from quantkit.format.inspect import CheckpointReport, inspect_checkpoint, render_report
 from quantkit.format.quantization_config import build_quantization_config
 from quantkit.format.scheme import QuantScheme
@@ -78,9 +79,9 @@ def test_reference_dir_and_rendering(tmp_path: Path) -> None:
     assert json.loads(json.dumps(data))["layers"][0]["name"] == "layer.proj"
     assert math.isclose(data["compression_ratio"], 12345 / report.checkpoint_bytes)
     assert isinstance(report, CheckpointReport)
-    pytest.importorskip("rich")
     table, groups, engines = render_report(report).renderables
     assert table.row_count == 1 and "bits/w" in [c.header for c in table.columns]
     assert groups.row_count == 1
     assert [c.header for c in groups.columns] == ["scheme", "layers", "params", "MB", "bits/w"]
     assert engines.row_count == len(report.loads_in) == 5
+    assert f"predicted from vLLM {VLLM_VERSION} source" in str(engines.caption)

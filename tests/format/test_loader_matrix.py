@@ -18,10 +18,9 @@ from packaging.version import Version
 from quantkit.format.loader import load_quantized_model
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.methods import expand_method, resolve_scheme
+from quantkit.quantization.methods.composition import method_scheme, parse_method
 from quantkit.quantization.pipeline import quantize_model
 
-pytest.importorskip("compressed_tensors")
 pytestmark = pytest.mark.slow
 
 TRANSFORMERS = Version(importlib.metadata.version("transformers"))
@@ -49,7 +48,7 @@ def calib(tiny_calib_file) -> Path:
 
 
 def _rtn(bits: int, group: int, symmetric: bool) -> tuple[str, QuantScheme]:
-    return "rtn", resolve_scheme("rtn", bits=bits, group_size=group, symmetric=symmetric)
+    return "rtn", method_scheme("rtn", bits=bits, group_size=group, symmetric=symmetric)
 
 
 SYMMETRIC = {
@@ -61,20 +60,20 @@ SYMMETRIC = {
     "w2-g32": _rtn(2, 32, True),
     "w8-g64": _rtn(8, 64, True),
     "w8-channel": _rtn(8, -1, True),
-    "gptq-w4-g64-static-actorder": ("gptq", resolve_scheme("gptq", bits=4, group_size=64)),
+    "gptq-w4-g64-static-actorder": ("gptq", method_scheme("gptq", bits=4, group_size=64)),
 }
 ASYMMETRIC = {
     "w4-g32-asym": _rtn(4, 32, False),
     "w4-g64-asym": _rtn(4, 64, False),
     "w4-channel-asym": _rtn(4, -1, False),
     "w8-channel-asym": _rtn(8, -1, False),
-    "awq-w4-g64": ("awq", resolve_scheme("awq", bits=4, group_size=64)),
+    "awq-w4-g64": ("awq", method_scheme("awq", bits=4, group_size=64)),
 }
 
 
 def _quantize(model_dir: Path, calib: Path, out: Path, method: str, scheme: QuantScheme, **fields) -> Path:
     config = QuantizeConfig(
-        solvers=expand_method(method), scheme=scheme, calibration_file=calib, show_progress=False, **fields
+        solvers=parse_method(method), scheme=scheme, calibration_file=calib, show_progress=False, **fields
     )
     quantize_model(model_dir, config, out)
     return out
@@ -107,11 +106,15 @@ def test_asymmetric_schemes_load_in_transformers(model_dir, calib, tmp_path, cas
 
 
 def test_a_rotated_checkpoint_loads_in_transformers(model_dir, calib, tmp_path):
-    from quantkit.rotation.config import RotationConfig
+    from quantkit.quantization.methods.rotation import RotationConfig
 
-    scheme = resolve_scheme("gptq", bits=3, group_size=32)
-    rotation = RotationConfig(kind="hadamard")
-    _assert_same_logits(_quantize(model_dir, calib, tmp_path / "rotated", "gptq", scheme, rotation=rotation))
+    scheme = method_scheme("gptq", bits=3, group_size=32)
+    out = tmp_path / "rotated"
+    config = QuantizeConfig(
+        solvers=[RotationConfig(), *parse_method("gptq")], scheme=scheme, calibration_file=calib, show_progress=False
+    )
+    quantize_model(model_dir, config, out)
+    _assert_same_logits(out)
 
 
 def test_a_mixed_plan_loads_in_transformers(model_dir, calib, tmp_path):
@@ -126,7 +129,7 @@ def test_a_fallback_checkpoint_loads_in_transformers(tmp_path, calib):
     from helpers.tiny import save_tiny_model
 
     model_dir = save_tiny_model(tmp_path / "model", intermediate_size=160)  # down_proj K = 160: g64 falls back
-    scheme = resolve_scheme("rtn", bits=4, group_size=64)
+    scheme = method_scheme("rtn", bits=4, group_size=64)
     out = _quantize(model_dir, calib, tmp_path / "fallback", "rtn", scheme, layout_policy="fallback")
     _assert_same_logits(out)
 

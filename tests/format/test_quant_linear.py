@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.checkpoint import save_quantized_model
 from helpers.tiny import rtn_for_tests, tiny_llama
 from safetensors.torch import load_file, save_file
 
@@ -17,7 +18,6 @@ from quantkit.format.files import is_quantized_checkpoint
 from quantkit.format.loader import load_quantized_model
 from quantkit.format.quant_linear import QuantLinear
 from quantkit.format.quantization_config import build_quantization_config
-from quantkit.format.save_model import save_quantized_model
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
 
@@ -172,7 +172,6 @@ def _hf_load(path: Path) -> torch.nn.Module:
 
 
 def test_transformers_loads_symmetric_checkpoint(tmp_path: Path) -> None:
-    pytest.importorskip("compressed_tensors")
     model = tiny_llama(seed=2)
     groups = [
         (QuantScheme(bits=4, group_size=32), ["Linear"]),

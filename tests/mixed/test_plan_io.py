@@ -64,7 +64,6 @@ def test_module_target_matches_exactly_its_modules() -> None:
 
 
 def test_render_plan_and_dump(plan_file: Path) -> None:
-    pytest.importorskip("rich")
     chosen = plan(smollm2_measurement(layers=LAYERS, seed=5), target_bits=4.6)
     table = render_plan(chosen)
     assert table.row_count == 4 * LAYERS

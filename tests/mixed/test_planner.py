@@ -9,12 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from quantkit.errors import QuantkitError
 from quantkit.mixed.candidates import parse_candidate, unit_storage_bits
+from quantkit.mixed.mckp import solve_mckp
 from quantkit.mixed.measurement import CandidateCost, Measurement, UnitMeasurement
-from quantkit.mixed.planner import budget_bits, parse_pin, plan, plan_frontier, reachable_bits, solve_mckp
+from quantkit.mixed.planner import budget_bits, parse_pin, plan, plan_frontier, reachable_bits
 
 CANDS = ["int3-g64", "int4-g128", "int4-g64", "int8", "fp16"]
 SMOL_SHAPES = {  # SmolLM2-135M: (out, in)
@@ -113,7 +115,6 @@ def test_optimal_against_brute_force_with_and_without_pins() -> None:
 
 def test_optimal_against_grid_dp_on_larger_instances() -> None:
     """10-40 groups, where bound pruning does real work: compare with a plain DP over every integer budget."""
-    np = pytest.importorskip("numpy")
     rng = random.Random(7)
     for _ in range(40):
         costs = [[rng.randint(0, 300) for _ in range(rng.randint(1, 5))] for _ in range(rng.randint(10, 40))]
@@ -235,7 +236,6 @@ def test_frontier_is_monotone() -> None:
 
 
 def test_plot_writes_png(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     from quantkit.mixed.plot import plot_frontier
 
     m = smollm2_measurement(layers=3)

@@ -56,3 +56,23 @@ def test_checkpoint_metadata_and_size(w4_results, smollm2_dir):
     assert len(report.layers) == 30 * 7
     assert report.avg_bits_per_weight == pytest.approx(4 + 16 / 64, abs=1e-9)
     assert report.checkpoint_bytes < 0.5 * (smollm2_dir / "model.safetensors").stat().st_size
+
+
+def test_a_newcomers_command_writes_a_checkpoint_every_engine_loads(smollm2_dir, tmp_path, capsys):
+    """`quantkit quantize smollm2-135m -o out`, no scheme flags (rtn keeps it fast; the layout is every method's):
+    the default g128 does not divide the 576 in-features of q/k/v/o/gate/up, so those get g64 and down_proj (1536)
+    keeps g128, said in one line; every engine loads the result, transformers included."""
+    from helpers.cli import run_cli
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "out"
+    code, _, err = run_cli(["quantize", "smollm2-135m", "-o", str(out), "--method", "rtn"], capsys)
+    assert code == 0, err
+    notice = [line for line in err.splitlines() if "layout:" in line]
+    assert len(notice) == 1 and "g128 -> g64 on 180 linears" in notice[0], err
+    report = inspect_checkpoint(out, smollm2_dir)
+    groups = {layer.name.split(".", 3)[-1]: layer.scheme for layer in report.layers}
+    assert groups["mlp.down_proj"] == "w4-g128-sym" and groups["self_attn.q_proj"] == "w4-g64-sym"
+    assert all(verdict.loads for verdict in report.loads_in)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.quantization_config is not None

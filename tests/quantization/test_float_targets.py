@@ -14,13 +14,18 @@ from helpers.tiny import logit_error, tiny_llama
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.model.blocks import BlockRunner
+from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.float_targets import FloatPath, StageMoments, float_target
+from quantkit.quantization.methods.float_targets import (
+    FloatCompanion,
+    FloatPath,
+    FloatTargetsConfig,
+    StageMoments,
+    float_target,
+)
+from quantkit.quantization.methods.rotation import RotationConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.quantization.solvers.gptq import GPTQConfig
-from quantkit.quantization.staged_block import StagedBlock
-from quantkit.rotation.config import RotationConfig
 
 
 def _moments(
@@ -135,7 +140,7 @@ def test_the_float_path_gives_the_float_blocks_inputs_and_output() -> None:
     path = FloatPath(block, arch, runner, reference)
     staged = StagedBlock(copy.deepcopy(block), arch, runner, quantized_input.clone())
     stages = []
-    for stage, _, moments in stage_hessians(staged, float_path=path):
+    for stage, _, (moments,) in stage_hessians(staged, companions=[FloatCompanion(path)]):
         assert moments is not None and moments.count == 7 * 16
         x, x_quantized = float_inputs[stage.name], quantized_inputs[stage.name]
         if moments.cross is not None:
@@ -158,18 +163,20 @@ def test_float_targets_lower_the_logit_error(tiny_model_dir, tiny_calib_file, tm
     errors = {}
     for float_targets in (False, True):
         out = tmp_path / f"float-targets-{float_targets}"
+        extra = [FloatTargetsConfig()] if float_targets else []
         config = QuantizeConfig.for_method(
             "gptq",
-            GPTQConfig(float_targets=float_targets),
+            *extra,
+            RotationConfig("hadamard" if rotate else "none"),
             scheme=SCHEME,
             calibration_file=tiny_calib_file,
-            rotation=RotationConfig("hadamard" if rotate else "none"),
             show_progress=False,
             batch_size=2,
         )
         quantize_model(str(tiny_model_dir), config, out)
         errors[float_targets] = logit_error(tiny_model_dir, out, tiny_calib_file)
-        assert json.loads((out / "quantkit_log.json").read_text()).get("float_targets", False) is float_targets
+        logged = json.loads((out / "quantkit_log.json").read_text())["solvers"]
+        assert ("float_targets" in logged) is float_targets and ("rotation" in logged) is rotate
     assert errors[True] < 0.5 * errors[False]
 
 
@@ -179,4 +186,4 @@ def test_the_cli_refuses_float_targets_without_gptq(tiny_model_dir, tiny_calib_f
     args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(tiny_calib_file), "--method", method]
     code, _, err = run_cli([*args, "--group-size", "32", "--float-targets"], capsys)
     assert code == 2 and not out.exists()
-    assert f"method '{method}' has no GPTQ step; use gptq, awq+gptq" in err
+    assert f"float targets work only with gptq: method '{method}' has no gptq step; use gptq, awq+gptq" in err

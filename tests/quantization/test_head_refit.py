@@ -13,12 +13,14 @@ from safetensors.torch import load_file
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.head_refit import final_hidden, refit_head
+from quantkit.quantization.methods.head_refit import HeadRefitConfig
+from quantkit.quantization.methods.rotation import RotationConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.rotation.config import RotationConfig
+from quantkit.quantization.solvers.head_refit import final_hidden, refit_head
 
 SCHEME = QuantScheme(bits=3, group_size=32)
 EPS = 1e-5
+RIDGE = HeadRefitConfig().ridge
 
 
 def _streams(seed: int, n: int = 6, tokens: int = 40, hidden: int = 24) -> torch.Tensor:
@@ -27,7 +29,7 @@ def _streams(seed: int, n: int = 6, tokens: int = 40, hidden: int = 24) -> torch
 
 def test_an_undistorted_stream_leaves_the_head_alone() -> None:
     stream, head, norm = _streams(0), torch.randn(50, 24), torch.rand(24) + 0.5
-    refitted = refit_head(head, stream, stream, norm, EPS)
+    refitted = refit_head(head, stream, stream, norm, EPS, RIDGE)
     assert float((refitted - head).abs().max()) < 2e-3 * float(head.abs().max())  # only the ridge's shrinkage
 
 
@@ -37,7 +39,7 @@ def test_a_rotated_stream_is_read_as_the_original() -> None:
     reference, head, ones = _streams(1), torch.randn(50, 24), torch.ones(24)
     rotation, _ = torch.linalg.qr(torch.randn(24, 24, generator=torch.Generator().manual_seed(2)))
     quantized = reference @ rotation
-    refitted = refit_head(head, quantized, reference, ones, EPS, ridge=1e-9)
+    refitted = refit_head(head, quantized, reference, ones, EPS, 1e-9)
     expected = final_hidden(reference, ones, EPS) @ head.T
     got = final_hidden(quantized, ones, EPS) @ refitted.T
     assert float((got - expected).abs().max()) < 1e-4 * float(expected.abs().max())
@@ -47,12 +49,12 @@ def test_a_rotated_stream_is_read_as_the_original() -> None:
 
 def test_streams_must_pair_tokens() -> None:
     with pytest.raises(ValueError, match="must pair tokens"):
-        refit_head(torch.randn(5, 24), _streams(0), _streams(0, n=5), torch.ones(24), EPS)
+        refit_head(torch.randn(5, 24), _streams(0), _streams(0, n=5), torch.ones(24), EPS, RIDGE)
 
 
-def _quantize(model, calib, output, on_block_done=None, **fields):
+def _quantize(model, calib, output, *algorithms, on_block_done=None, **fields):
     config = QuantizeConfig.for_method(
-        "gptq", scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **fields
+        "gptq", *algorithms, scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **fields
     )
     return quantize_model(str(model), config, output, on_block_done=on_block_done)
 
@@ -61,12 +63,12 @@ def _quantize(model, calib, output, on_block_done=None, **fields):
 def test_refit_lowers_the_logit_error_on_the_calibration_windows(tiny_model_dir, tiny_calib_file, tmp_path, rotate):
     rotation = RotationConfig("hadamard" if rotate else "none")
     plain, refit = tmp_path / "plain", tmp_path / "refit"
-    _quantize(tiny_model_dir, tiny_calib_file, plain, rotation=rotation)
-    _quantize(tiny_model_dir, tiny_calib_file, refit, rotation=rotation, refit_head=True)
+    _quantize(tiny_model_dir, tiny_calib_file, plain, rotation)
+    _quantize(tiny_model_dir, tiny_calib_file, refit, rotation, HeadRefitConfig())
     heads = [load_file(str(d / "model.safetensors"))["lm_head.weight"] for d in (plain, refit)]
     assert heads[0].shape == heads[1].shape and heads[0].dtype == heads[1].dtype
     assert not torch.equal(heads[0], heads[1])
-    assert json.loads((refit / "quantkit_log.json").read_text())["refit_head"] is True
+    assert json.loads((refit / "quantkit_log.json").read_text())["solvers"]["head_refit"] == {"ridge": 1e-4}
     before = logit_error(tiny_model_dir, plain, tiny_calib_file)
     after = logit_error(tiny_model_dir, refit, tiny_calib_file)
     assert after < 0.9 * before
@@ -74,17 +76,17 @@ def test_refit_lowers_the_logit_error_on_the_calibration_windows(tiny_model_dir,
 
 def test_a_refit_run_resumes_to_the_same_bytes(tiny_model_dir, tiny_calib_file, tmp_path):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    _quantize(tiny_model_dir, tiny_calib_file, whole, refit_head=True)
+    _quantize(tiny_model_dir, tiny_calib_file, whole, HeadRefitConfig())
 
     def stop_after_last(index: int) -> None:  # every block done, the checkpoint not yet written
         if index == 1:
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        _quantize(tiny_model_dir, tiny_calib_file, resumed, refit_head=True, on_block_done=stop_after_last)
+        _quantize(tiny_model_dir, tiny_calib_file, resumed, HeadRefitConfig(), on_block_done=stop_after_last)
     with pytest.raises(QuantkitError, match="method, scheme or solver options differ"):
         _quantize(tiny_model_dir, tiny_calib_file, resumed, resume=True)  # the same run without the refit
-    _quantize(tiny_model_dir, tiny_calib_file, resumed, refit_head=True, resume=True)
+    _quantize(tiny_model_dir, tiny_calib_file, resumed, HeadRefitConfig(), resume=True)
     for name in ("model.safetensors", "quantkit_log.json"):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
 
@@ -113,12 +115,12 @@ def test_the_free_space_check_counts_the_float_activations(tiny_model_dir, tiny_
     from quantkit.quantization.disk_space import expected_bytes
     from quantkit.quantization.pipeline import _prepare
 
-    def work_bytes(**fields) -> int:
-        config = QuantizeConfig.for_method("gptq", scheme=SCHEME, calibration_file=tiny_calib_file, **fields)
+    def work_bytes(*algorithms) -> int:
+        config = QuantizeConfig.for_method("gptq", *algorithms, scheme=SCHEME, calibration_file=tiny_calib_file)
         with SourceWeights(tiny_model_dir) as weights:
             return expected_bytes(_prepare(str(tiny_model_dir), config, tmp_path / "out", weights))["work directory"]
 
     tokens = load_file(str(tiny_calib_file))["input_ids"].numel()
     hidden = json.loads((tiny_model_dir / "config.json").read_text())["hidden_size"]
     stream = 2 * tokens * hidden * 4  # the current and the next input of a float32 tiny model
-    assert work_bytes(refit_head=True) - work_bytes() == stream
+    assert work_bytes(HeadRefitConfig()) - work_bytes() == stream

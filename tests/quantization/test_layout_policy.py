@@ -12,7 +12,7 @@ from helpers.cli import run_cli
 from quantkit.errors import QuantkitError
 from quantkit.format.inspect import inspect_checkpoint
 from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.assignment import SchemeAssignment, fit_layouts
+from quantkit.quantization.assignment import LayoutFallback, SchemeAssignment, fit_layouts
 
 G128 = QuantScheme(bits=4, group_size=128)
 IN_FEATURES = {"model.layers.0.self_attn.q_proj": 576, "model.layers.0.mlp.down_proj": 1536}
@@ -28,7 +28,8 @@ def test_strict_names_the_layers_and_the_fixes():
 
 
 def test_fallback_changes_only_the_layers_that_need_it():
-    fitted = fit_layouts(SchemeAssignment(dict.fromkeys(IN_FEATURES, G128)), IN_FEATURES, "fallback")
+    with pytest.warns(LayoutFallback, match=r"g128 -> g64 on 1 linears \(self_attn.q_proj\)"):
+        fitted = fit_layouts(SchemeAssignment(dict.fromkeys(IN_FEATURES, G128)), IN_FEATURES, "fallback")
     assert fitted.schemes["model.layers.0.self_attn.q_proj"].group_size == 64
     assert fitted.schemes["model.layers.0.mlp.down_proj"] == G128
     assert fitted.fallbacks == {"model.layers.0.self_attn.q_proj": "g128 -> g64"}
@@ -47,12 +48,24 @@ def _quantize(model: Path, out: Path, capsys, *args: str) -> tuple[int, str]:
     return code, err
 
 
-def test_cli_default_group_size_is_refused_before_any_work(tiny_model_dir, tmp_path, capsys):
+def test_cli_strict_refuses_the_default_group_size_before_any_work(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    code, err = _quantize(tiny_model_dir, out, capsys)  # g128 on in-features 64 and 160
+    code, err = _quantize(tiny_model_dir, out, capsys, "--layout-policy", "strict")  # g128 on in-features 64, 160
     assert code == 2 and "error: 14 layers would get a layout" in err and "--group-size 32" in err
     assert "Traceback" not in err
     assert not out.exists() and not list(tmp_path.iterdir())  # no output, no work directory
+
+
+def test_cli_defaults_write_a_checkpoint_every_engine_loads(tiny_model_dir, tmp_path, capsys):
+    """No flags: the default g128 divides none of the tiny model's in-features (64, 160), so every layer falls
+    back (g64 where it divides, g32 for down_proj), said in one warning line, and every engine loads the result."""
+    out = tmp_path / "out"
+    code, err = _quantize(tiny_model_dir, out, capsys)
+    assert code == 0, err
+    lines = [line for line in err.splitlines() if "layout:" in line]
+    assert len(lines) == 1 and "g128 -> g64 on 12 linears" in lines[0] and "g128 -> g32 on 2 linears" in lines[0]
+    assert "--layout-policy strict" in lines[0]
+    assert all(v.loads for v in inspect_checkpoint(out).loads_in)
 
 
 @pytest.mark.slow
@@ -90,7 +103,7 @@ def test_recipe_refuses_the_layout_before_calibrating(tiny_model_dir, text_corpu
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(
         f"model: {tiny_model_dir}\ncalibration: {{dataset: {text_corpus}}}\n"
-        f"quantization: {{method: rtn, scheme: {{bits: 4, group_size: 128}}}}\n"
+        f"quantization: {{solvers: [rtn], scheme: {{bits: 4, group_size: 128}}, layout_policy: strict}}\n"
         f"output: {{directory: {tmp_path / 'ckpt'}}}\n"
     )
     code, _, err = run_cli(["run", str(recipe), "--report", str(tmp_path / "report")], capsys)

@@ -13,12 +13,13 @@ from quantkit.format.tensors import read_linear
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.model.blocks import BlockRunner, embed
 from quantkit.quantization import block_loop, pipeline
-from quantkit.quantization.block_pass import BlockPass
+from quantkit.quantization.block_work import BlockRun
 from quantkit.quantization.checkpoint_output import block_tensors
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.composition import JobSteps
+from quantkit.quantization.methods.gptq import GPTQConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.quantization.quantize_block import quantize_block, write_back_dequantized
-from quantkit.quantization.solvers.gptq import GPTQConfig
+from quantkit.quantization.quantize_block import quantize_block
 
 SCHEME = QuantScheme(bits=4, group_size=32)
 
@@ -56,7 +57,7 @@ def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
     model, arch, runner, hidden = _first_block_setup(4, torch.bfloat16, seed=0)
     block = model.model.layers[0]
     schemes = {name: SCHEME for name in arch.linears}
-    run = BlockPass(arch, solvers=[GPTQConfig()], storage=torch.bfloat16, runner=runner)
+    run = BlockRun(arch, JobSteps([GPTQConfig()]), storage=torch.bfloat16, runner=runner)
     done = quantize_block(block, "model.layers.0", hidden.clone(), schemes, run)
     out = done.output
     assert out.shape == hidden.shape and len(done.records) == 7 and all(r.loss > 0 for r in done.records)
@@ -73,12 +74,12 @@ def test_checkpoint_reproduces_the_solver_weights_exactly(tiny_model_dir):
         )
     # The output the next block sees is the quantized block's output.
     for name in arch.linears:
-        write_back_dequantized(block.get_submodule(name), done.weights[name])
+        block.get_submodule(name).weight.data = done.weights[name].dequantize(torch.float32)
     assert torch.allclose(out.float(), runner.run(block, hidden).float(), atol=0.05)
 
 
 def test_staged_block_works_in_place_and_matches_a_plain_forward():
-    from quantkit.quantization.staged_block import StagedBlock
+    from quantkit.model.staged_block import StagedBlock
 
     model, arch, runner, hidden = _first_block_setup(5, torch.float32, seed=1)
     block = model.model.layers[0]
@@ -111,8 +112,8 @@ def test_staged_block_works_in_place_and_matches_a_plain_forward():
 def test_spilled_activations_give_a_bit_identical_output_and_the_file_is_reused(tmp_path, overrides, fast_mlp):
     from helpers.tiny import tiny_llama
 
+    from quantkit.model.staged_block import StagedBlock
     from quantkit.quantization.spill import SpillFile
-    from quantkit.quantization.staged_block import StagedBlock
 
     model = tiny_llama(**overrides)
     arch = arch_for_model_type("llama")
@@ -318,7 +319,7 @@ def test_quantize_and_inspect_cli(tiny_model_dir, calib_file, tmp_path, capsys):
 
 
 def test_stacked_solve_equals_solving_each_linear():
-    from quantkit.quantization.dispatch import weight_solver
+    from quantkit.quantization.methods import registry
     from quantkit.quantization.solvers.gptq import gptq_solve
 
     gen = torch.Generator().manual_seed(0)
@@ -326,7 +327,8 @@ def test_stacked_solve_equals_solving_each_linear():
     hessian = 2 * x.T @ x / x.shape[0]
     weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
     scheme = QuantScheme(bits=4, group_size=16, act_order=True)
-    stacked = weight_solver(GPTQConfig()).solve(GPTQConfig(), weights, hessian, scheme, torch.bfloat16, ["q", "k", "v"])
+    solver = registry.by_name("gptq").hooks
+    stacked = solver.solve(GPTQConfig(), weights, hessian, scheme, torch.bfloat16, ["q", "k", "v"])
     for w, (qw, record) in zip(weights, stacked, strict=True):
         alone = gptq_solve(w, hessian, scheme, GPTQConfig()).weight
         assert torch.allclose(qw.dequantize(), alone.dequantize(), atol=1e-6)
@@ -375,12 +377,16 @@ def test_cli_gptq_defaults_to_act_order_with_static_groups(tiny_model_dir, calib
 
 
 def test_solver_defaults_per_method_and_plans_take_the_run_options():
-    from quantkit.quantization.methods import MethodDefaults, method_defaults, with_solver_options
+    from quantkit.quantization.methods.composition import parse_method, with_solver_options
 
-    assert method_defaults("gptq") == MethodDefaults(symmetric=True, act_order=True, static_groups=True, mse_clip=True)
-    assert method_defaults("awq+gptq") == MethodDefaults(False, act_order=True, static_groups=True, mse_clip=False)
-    assert method_defaults("awq") == MethodDefaults(False, act_order=False, static_groups=True, mse_clip=False)
-    assert method_defaults("rtn") == MethodDefaults(True, act_order=False, static_groups=True, mse_clip=False)
+    def defaults(method: str) -> tuple[bool, ...]:
+        d = JobSteps(parse_method(method)).scheme_defaults()
+        return d["symmetric"], d["act_order"], d["static_groups"], d["mse_clip"]
+
+    assert defaults("gptq") == (True, True, True, True)
+    assert defaults("awq+gptq") == (False, True, True, False)
+    assert defaults("awq") == (False, False, True, False)
+    assert defaults("rtn") == (True, False, True, False)
     planned = QuantScheme(bits=8, group_size=-1)
     solved = with_solver_options(planned, QuantScheme(act_order=True, static_groups=True, mse_clip=True))
     assert (solved.bits, solved.group_size, solved.act_order, solved.mse_clip) == (8, -1, True, True)

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.cli import run_cli
+from helpers.rotation import rotate_model
 from helpers.tiny import save_tiny_model
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
@@ -17,9 +18,8 @@ from quantkit.format.loader import load_quantized_model
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.rotation import RotationConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.rotation.config import RotationConfig
-from quantkit.rotation.fold import rotate_model
 
 SCHEME = QuantScheme(bits=4, group_size=32)
 HADAMARD = RotationConfig(kind="hadamard", seed=3)
@@ -40,8 +40,9 @@ def tied_model_dir(tmp_path_factory) -> Path:
 
 
 def _quantize(model: Path, calib: Path | None, output: Path, rotation=HADAMARD, method="gptq", **kw):
+    """``rotation`` RotationConfig("none"): the same run without a rotation."""
     config = QuantizeConfig.for_method(
-        method, scheme=SCHEME, calibration_file=calib, rotation=rotation, show_progress=False, batch_size=2, **kw
+        method, rotation, scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **kw
     )
     return quantize_model(str(model), config, output)
 
@@ -55,7 +56,7 @@ def test_layer_by_layer_rotation_equals_quantizing_the_rotated_float_model(tied_
         (rotated_dir / name).write_bytes((tied_model_dir / name).read_bytes())
 
     streamed = _quantize(tied_model_dir, tiny_calib_file, tmp_path / "streamed").output
-    in_memory = _quantize(rotated_dir, tiny_calib_file, tmp_path / "in-memory", rotation=RotationConfig()).output
+    in_memory = _quantize(rotated_dir, tiny_calib_file, tmp_path / "in-memory", rotation=RotationConfig("none")).output
     got, want = load_file(streamed / "model.safetensors"), load_file(in_memory / "model.safetensors")
     assert set(got) == set(want) and "lm_head.weight" in got
     for name, tensor in want.items():
@@ -75,10 +76,10 @@ def test_rotated_checkpoint_keeps_the_function(tied_model_dir, tmp_path):
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     reference = AutoModelForCausalLM.from_pretrained(tied_model_dir, dtype=torch.float32).eval()
     errors = {}
-    for rotation in (RotationConfig(), HADAMARD):
+    for rotation in (RotationConfig("none"), HADAMARD):
         out = tmp_path / rotation.name
         config = QuantizeConfig.for_method(
-            "rtn", scheme=QuantScheme(8, 32), rotation=rotation, show_progress=False, batch_size=2
+            "rtn", rotation, scheme=QuantScheme(8, 32), show_progress=False, batch_size=2
         )
         quantize_model(str(tied_model_dir), config, out)
         with torch.no_grad():
@@ -97,7 +98,7 @@ def test_resume_with_a_rotation_gives_identical_bytes_and_checks_it(tied_model_d
 
     resumed = tmp_path / "resumed"
     config = QuantizeConfig.for_method(
-        "gptq", scheme=SCHEME, calibration_file=tiny_calib_file, rotation=HADAMARD, show_progress=False, batch_size=2
+        "gptq", HADAMARD, scheme=SCHEME, calibration_file=tiny_calib_file, show_progress=False, batch_size=2
     )
     with pytest.raises(KeyboardInterrupt):
         quantize_model(str(tied_model_dir), config, resumed, on_block_done=stop_after_first)

@@ -10,18 +10,18 @@ from helpers.cli import run_cli
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.config import QuantizeConfig
+from quantkit.quantization.methods.rotation import RotationConfig
+from quantkit.quantization.methods.tune import TuneConfig
 from quantkit.quantization.pipeline import quantize_model
-from quantkit.quantization.solvers.tune import TuneConfig
-from quantkit.rotation.config import RotationConfig
 
 SCHEME = QuantScheme(bits=3, group_size=32)
 TUNE = TuneConfig(steps=40, batch_windows=2)
 
 
-def _config(calib, **fields) -> QuantizeConfig:
-    fields.setdefault("tune", TUNE)
+def _config(calib, *algorithms, **fields) -> QuantizeConfig:
+    algorithms = algorithms if any(isinstance(a, TuneConfig) for a in algorithms) else (*algorithms, TUNE)
     return QuantizeConfig.for_method(
-        "gptq", scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **fields
+        "gptq", *algorithms, scheme=SCHEME, calibration_file=calib, show_progress=False, batch_size=2, **fields
     )
 
 
@@ -32,7 +32,7 @@ def _tune_records(output) -> list[dict]:
 
 def test_tuning_never_raises_a_blocks_error_and_lowers_some(tiny_model_dir, tiny_calib_file, tmp_path):
     out = tmp_path / "tuned"
-    quantize_model(str(tiny_model_dir), _config(tiny_calib_file, rotation=RotationConfig("hadamard")), out)
+    quantize_model(str(tiny_model_dir), _config(tiny_calib_file, RotationConfig("hadamard")), out)
     records = _tune_records(out)
     assert [r["name"] for r in records] == ["model.layers.0", "model.layers.1"]
     assert all(r["loss_after"] <= r["loss_before"] and r["steps"] == TUNE.steps for r in records)
@@ -51,7 +51,7 @@ def test_a_tuned_run_resumes_to_the_same_bytes(tiny_model_dir, tiny_calib_file, 
     with pytest.raises(KeyboardInterrupt):
         quantize_model(str(tiny_model_dir), _config(tiny_calib_file), resumed, on_block_done=stop_after_first)
     with pytest.raises(QuantkitError, match="method, scheme or solver options differ"):
-        quantize_model(str(tiny_model_dir), _config(tiny_calib_file, tune=TuneConfig(steps=3), resume=True), resumed)
+        quantize_model(str(tiny_model_dir), _config(tiny_calib_file, TuneConfig(steps=3), resume=True), resumed)
     quantize_model(str(tiny_model_dir), _config(tiny_calib_file, resume=True), resumed)
     for name in ("model.safetensors", "quantkit_log.json"):
         assert (whole / name).read_bytes() == (resumed / name).read_bytes(), name
@@ -59,7 +59,7 @@ def test_a_tuned_run_resumes_to_the_same_bytes(tiny_model_dir, tiny_calib_file, 
 
 def test_round_to_nearest_with_tuning_draws_calibration(tiny_model_dir, tiny_calib_file, tmp_path):
     config = QuantizeConfig.for_method(
-        "rtn", scheme=SCHEME, calibration_file=tiny_calib_file, tune=TUNE, show_progress=False
+        "rtn", TUNE, scheme=SCHEME, calibration_file=tiny_calib_file, show_progress=False
     )
     assert config.needs_calibration
     quantize_model(str(tiny_model_dir), config, tmp_path / "rtn-tuned")
@@ -89,7 +89,7 @@ def test_tuning_targets_are_the_float_models_own_activations(tiny_model_dir, tin
     from transformers import AutoModelForCausalLM
 
     from quantkit.data.calibration import CalibrationSet
-    from quantkit.quantization import quantize_block as module
+    from quantkit.quantization.methods import tune as module
 
     seen: list[tuple] = []
     real = module.tune_block

@@ -25,13 +25,13 @@ def _own_cache(request, tmp_path, monkeypatch):
 
 
 def _recipe(
-    tmp_path: Path, model: Path, corpus: Path, *, gates: str = "", extra: str = "", method: str = "rtn"
+    tmp_path: Path, model: Path, corpus: Path, *, gates: str = "", extra: str = "", solver: str = "rtn"
 ) -> Path:
     text = f"""\
 model: {model}
 calibration: {{dataset: {corpus}, num_samples: 8, seq_len: 32}}
 quantization:
-  method: {method}
+  solvers: [{solver}]
   scheme: {{bits: 4, group_size: 32}}
 output: {{directory: {tmp_path / "ckpt"}, force: true}}
 evaluation: {{dataset: {corpus}, seq_len: 32, windows: 4}}
@@ -84,7 +84,7 @@ def test_passing_gates_exit_0_with_a_full_report(tiny_model_dir, text_corpus, tm
 
 @pytest.mark.slow
 def test_cache_reuses_unchanged_work_and_a_changed_text_invalidates(tiny_model_dir, text_corpus, tmp_path, capsys):
-    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus, method="gptq")
+    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus, solver="gptq")
     assert _run(recipe, tmp_path, capsys)[0] == 0
     assert not any(s["cached"] for s in _report(tmp_path)["stages"][1:])
     checkpoint = (tmp_path / "ckpt" / "model.safetensors").stat().st_mtime_ns
@@ -171,7 +171,7 @@ def test_a_warning_in_a_stage_is_one_line(tiny_model_dir, text_corpus, tmp_path,
     """A forced small calibration text warns inside the recipe's quantize stage: one yellow line, no source excerpt."""
     small = tmp_path / "small.txt"
     small.write_text("It is a truth universally acknowledged that a single man must be in want of a wife. " * 6)
-    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus, method="gptq")
+    recipe = _recipe(tmp_path, tiny_model_dir, text_corpus, solver="gptq")
     recipe.write_text(
         recipe.read_text().replace(
             f"dataset: {text_corpus}, num_samples", f"dataset: {small}, allow_small: true, num_samples"

@@ -18,7 +18,7 @@ model: smollm2-135m
 calibration:
   num_samples: 16
 quantization:
-  method: gptq
+  solvers: {gptq: {}}
   scheme:
     bits: 4
     group_size: 64
@@ -77,8 +77,8 @@ def test_wrong_type_says_what_was_expected():
 
 
 def test_bad_choice_suggests_the_closest():
-    message = _error(BASE.replace("method: gptq", "method: gtpq"))
-    assert message.startswith("r.yaml:5: quantization.method")
+    message = _error(BASE.replace("solvers: {gptq: {}}", "solvers: {gtpq: {}}"))
+    assert message.startswith("r.yaml:5: quantization.solvers.gtpq")
     assert "did you mean 'gptq'" in message
 
 
@@ -168,12 +168,13 @@ calibration:
   min_length: 8
   text_column: text
 quantization:
-  method: gptq
   scheme:
     bits: 4
     group_size: 64
     symmetric: true
-  damp: 0.01
+  solvers:
+    gptq:
+      damp: 0.01
   ignore: ['layers\\.0\\.mlp']
 output:
   directory: out/x
@@ -243,7 +244,14 @@ RULES = [
         "expected a string, got int 5 (quote it)",
         "str",
     ),
-    _case(FULL, "  damp: 0.01", "  damp: high", "quantization.damp", "expected a number, got str 'high'", "float"),
+    _case(
+        FULL,
+        "      damp: 0.01",
+        "      damp: high",
+        "quantization.solvers.gptq.damp",
+        "expected a number, got str 'high'",
+        "float",
+    ),
     _case(
         FULL,
         "  prompts: [hello]",
@@ -271,11 +279,11 @@ RULES = [
     # choices
     _case(
         FULL,
-        "  method: gptq",
-        "  method: gtpq",
-        "quantization.method",
-        "expected one of rtn, gptq, awq, awq+gptq, got 'gtpq'; did you mean 'gptq'?",
-        "method",
+        "    gptq:",
+        "    gtpq:",
+        "quantization.solvers.gtpq",
+        "unknown key 'gtpq'; did you mean 'gptq'?",
+        "solver-name",
     ),
     _case(FULL, "    bits: 4", "    bits: 5", "quantization.scheme.bits", "expected one of 2, 3, 4, 8, got 5", "bits"),
     _case(
@@ -308,24 +316,49 @@ RULES = [
         "expected a value >= 1, got 0",
         "min-length",
     ),
-    _case(FULL, "  damp: 0.01", "  damp: 1", "quantization.damp", "expected a value < 1, got 1", "damp"),
     _case(
         FULL,
-        "  damp: 0.01",
-        "  damp: 0.01\n  tune_lr: 0",
-        "quantization.tune_lr",
-        "expected a value > 0, got 0",
+        "      damp: 0.01",
+        "      damp: 1",
+        "quantization.solvers.gptq",
+        "GPTQ damp must be in [0, 1), got 1",
+        "damp",
+        -1,
+    ),
+    _case(
+        FULL,
+        "      damp: 0.01",
+        "      damp: 0.01\n    tune: {lr: 0}",
+        "quantization.solvers.tune",
+        "--tune-lr must be positive",
         "tune-lr",
         1,
     ),
     _case(
         FULL,
-        "  method: gptq",
-        "  method: rtn\n  float_targets: true",
-        "quantization.float_targets",
-        "float targets are a GPTQ option and method 'rtn' has no GPTQ step; use gptq, awq+gptq",
+        "    gptq:\n      damp: 0.01",
+        "    rtn: {}\n    float_targets: {}",
+        "quantization.solvers",
+        "float targets work only with gptq: method 'rtn' has no gptq step; use gptq, awq+gptq",
         "float-targets-without-gptq",
-        1,
+        -1,
+    ),
+    _case(
+        FULL,
+        "    gptq:\n      damp: 0.01",
+        "    gptq: {}\n    rtn: {}",
+        "quantization.solvers",
+        "a job needs exactly one weight solver (rtn, gptq); it has rtn, gptq",
+        "two-solvers",
+        -1,
+    ),
+    _case(
+        FULL,
+        "    bits: 4",
+        "    preset: W5A16",
+        "quantization.scheme.preset",
+        "expected one of W2A16, W3A16, W4A16, W4A16_ASYM, W8A16, got 'W5A16'",
+        "preset",
     ),
     _case(
         FULL,
@@ -467,8 +500,9 @@ def test_defaults_come_from_the_config_classes():
     from quantkit.data.calibration import CalibrationConfig
     from quantkit.eval.evaluate import EvalConfig
     from quantkit.mixed.candidates import DEFAULT_CANDIDATES
-    from quantkit.quantization.methods import resolve_scheme
-    from quantkit.quantization.solvers.gptq import GPTQConfig
+    from quantkit.quantization.config import QuantizeConfig
+    from quantkit.quantization.methods.composition import JobSteps, parse_method, resolve_scheme
+    from quantkit.quantization.methods.gptq import GPTQConfig
 
     recipe = recipe_from_text("model: m\noutput: {directory: o}\n")
     cal = recipe.calibration
@@ -477,13 +511,71 @@ def test_defaults_come_from_the_config_classes():
         CalibrationConfig.seq_len,
         "random",
     )
-    assert recipe.quantization.damp == GPTQConfig.damp and recipe.evaluation.batch_size == EvalConfig.batch_size
+    assert recipe.quantization.solver_configs() == [GPTQConfig()]
+    assert recipe.evaluation.batch_size == EvalConfig.batch_size
+    assert recipe.quantization.layout_policy == QuantizeConfig.layout_policy
+    assert recipe.quantization.batch_size == QuantizeConfig.batch_size
     assert recipe.evaluation.windows == 40 and recipe.smoke.max_tokens == 16
-    assert recipe.quantization.quant_scheme() == resolve_scheme("gptq")
-    awq = recipe_from_text("model: m\noutput: {directory: o}\nquantization: {method: awq, scheme: {act_order: true}}\n")
-    assert awq.quantization.quant_scheme() == resolve_scheme("awq", act_order=True)
+    assert recipe.quantization.quant_scheme() == resolve_scheme(JobSteps(parse_method("gptq")).scheme_defaults())
+    text = "model: m\noutput: {directory: o}\nquantization: {solvers: [awq], scheme: {act_order: true}}\n"
+    with pytest.raises(RecipeError, match="exactly one weight solver"):  # the list names every algorithm
+        recipe_from_text(text)
+    awq = recipe_from_text(text.replace("[awq]", "[awq, rtn]"))
+    awq_defaults = JobSteps(parse_method("awq")).scheme_defaults()
+    assert awq.quantization.quant_scheme() == resolve_scheme(awq_defaults, act_order=True)
     mixed = recipe_from_text(MIXED.replace("    candidates: [int4-g128, int8]\n", ""))
     assert mixed.quantization.mixed is not None and mixed.quantization.mixed.candidates == list(DEFAULT_CANDIDATES)
+
+
+def test_solvers_in_any_form_and_order_mean_the_same_job():
+    from quantkit.quantization.methods.rotation import RotationConfig
+    from quantkit.quantization.methods.tune import TuneConfig
+
+    def configs(solvers: str) -> list:
+        text = f"model: m\noutput: {{directory: o}}\nquantization: {{solvers: {solvers}}}\n"
+        return recipe_from_text(text).quantization.solver_configs()
+
+    mapping = configs("{tune: {steps: 5}, gptq: {}, rotation: {seed: 2}}")
+    assert [type(c).__name__ for c in mapping] == ["RotationConfig", "GPTQConfig", "TuneConfig"]
+    assert mapping[0] == RotationConfig(seed=2) and mapping[2] == TuneConfig(steps=5)
+    assert configs("[{rotation: {seed: 2}}, gptq, {tune: {steps: 5}}]") == mapping
+    assert configs("{rotation: {seed: 2}, gptq: true, tune: {steps: 5}, awq: false}") == mapping
+
+
+def test_a_scheme_preset_by_name():
+    recipe = recipe_from_text("model: m\noutput: {directory: o}\nquantization: {scheme: W4A16_ASYM}\n")
+    scheme = recipe.quantization.quant_scheme()
+    assert (scheme.bits, scheme.group_size, scheme.symmetric, scheme.act_order) == (4, 128, False, True)
+    given = "quantization: {scheme: {preset: W8A16, group_size: -1}}"
+    scheme = recipe_from_text(f"model: m\noutput: {{directory: o}}\n{given}\n").quantization.quant_scheme()
+    assert (scheme.bits, scheme.group_size, scheme.symmetric) == (8, -1, True)
+
+
+def test_the_old_flat_keys_become_solvers_with_one_warning(tmp_path):
+    from quantkit.recipes.legacy import LegacyRecipe
+
+    old = (
+        "model: m\noutput: {directory: o}\nquantization:\n  method: awq+gptq\n  damp: 0.02\n"
+        "  rotate: hadamard\n  rotate_seed: 3\n  tune_steps: 4\n  tune_lr: 0.05\n  refit_head: true\n"
+    )
+    with pytest.warns(LegacyRecipe, match=r"old flat form; write `solvers: \{awq: \{\}, gptq: \{damp: 0.02\}"):
+        recipe = recipe_from_text(old, "r.yaml")
+    new = recipe_from_text(
+        "model: m\noutput: {directory: o}\nquantization:\n  solvers: {rotation: {seed: 3}, awq: {}, "
+        "gptq: {damp: 0.02}, tune: {steps: 4, lr: 0.05}, head_refit: {}}\n"
+    )
+    assert recipe.quantization.solver_configs() == new.quantization.solver_configs()
+    with pytest.warns(LegacyRecipe):
+        off = recipe_from_text(old.replace("tune_steps: 4", "tune_steps: 0").replace("hadamard", "none"), "r.yaml")
+    assert [type(c).__name__ for c in off.quantization.solver_configs()] == [
+        "AWQConfig",
+        "GPTQConfig",
+        "HeadRefitConfig",
+    ]
+    with pytest.warns(LegacyRecipe):
+        message = _error(old.replace("damp: 0.02", "damp: 2"))
+    assert message.startswith("r.yaml:4: quantization.solvers.gptq") and "damp must be in [0, 1)" in message
+    assert "both 'solvers' and the old flat keys" in _error(old.replace("  damp", "  solvers: {}\n  damp"))
 
 
 def test_device_is_checked_for_its_form_only_and_the_run_checks_the_machine(monkeypatch):

@@ -128,7 +128,6 @@ def _written(tmp_path: Path, artifacts: dict[str, str]) -> tuple[str, dict]:
 
 
 def test_report_md_has_summary_metrics_and_gate_tables(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     m_path, p_path = _measurement_and_plan(tmp_path)
     markdown, data = _written(tmp_path, {"measurement": str(m_path), "plan": str(p_path)})
     assert markdown.startswith("# Recipe report: recipes/mixed.yaml\n\n**FAILED**: failed max_kl_mean\n")
@@ -157,7 +156,6 @@ def test_report_md_has_summary_metrics_and_gate_tables(tmp_path: Path) -> None:
 
 
 def test_report_md_links_the_plots_written_beside_it(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
     m_path, p_path = _measurement_and_plan(tmp_path)
     markdown, data = _written(tmp_path, {"measurement": str(m_path), "plan": str(p_path)})
     links = re.findall(r"!\[[^\]]+\]\(([^)]+)\)", markdown)
@@ -193,7 +191,6 @@ def test_a_run_without_per_layer_measurements_says_so(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_mixed_recipe_run_links_its_plots(tiny_model_dir, text_corpus, tmp_path, capsys, monkeypatch):
     """The run hands its measurement and plan to the report (mixed recipe: hybrid sensitivity by default)."""
-    pytest.importorskip("matplotlib")
     from helpers.cli import run_cli
 
     monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
@@ -202,7 +199,7 @@ def test_a_mixed_recipe_run_links_its_plots(tiny_model_dir, text_corpus, tmp_pat
 model: {tiny_model_dir}
 calibration: {{dataset: {text_corpus}, num_samples: 4, seq_len: 32}}
 quantization:
-  method: rtn
+  solvers: [rtn]
   mixed: {{target_bits: 6, candidates: [int4-g32, int8, fp16]}}
 output: {{directory: {tmp_path / "ckpt"}, force: true}}
 evaluation: {{dataset: {text_corpus}, seq_len: 32, windows: 2}}

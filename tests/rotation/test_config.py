@@ -7,11 +7,12 @@ import torch
 from helpers.tiny import tiny_llama_config
 
 from quantkit.errors import QuantkitError
-from quantkit.rotation.config import RotationConfig, head_dim_of, rotations_for
+from quantkit.quantization.methods.rotation import RotationConfig
+from quantkit.rotation.config import head_dim_of, rotations_for
 
 
 def test_names_are_short_and_stable() -> None:
-    assert RotationConfig().name == "none"
+    assert RotationConfig("none").name == "none" and RotationConfig().name == "hadamard-s0"  # on when listed
     assert RotationConfig("hadamard").name == "hadamard-s0"
     assert RotationConfig("hadamard", seed=3, rotate_heads=False).name == "hadamard-s3-nohead"
 
@@ -22,7 +23,7 @@ def test_unknown_kind_is_refused_with_the_choices() -> None:
 
 
 def test_none_gives_no_matrices() -> None:
-    rotations = rotations_for(RotationConfig(), tiny_llama_config())
+    rotations = rotations_for(RotationConfig("none"), tiny_llama_config())
     assert rotations.residual is None and rotations.head is None
 
 

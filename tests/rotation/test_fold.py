@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.families import FAMILIES, tiny_model
+from helpers.rotation import rotate_model
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from quantkit.errors import QuantkitError
 from quantkit.model.architectures import arch_for_model_type
+from quantkit.quantization.methods.rotation import RotationConfig
 from quantkit.rotation import fold
-from quantkit.rotation.config import RotationConfig, rotations_for
-from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head, rotate_model
+from quantkit.rotation.config import rotations_for
+from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
 
 HADAMARD = RotationConfig("hadamard", seed=3)
 CASES = [(family, tied) for family in FAMILIES for tied in (False, True)]
@@ -69,7 +71,7 @@ def test_head_rotation_changes_v_and_o_but_not_the_function() -> None:
 def test_none_changes_nothing() -> None:
     model = tiny_model("llama", tied=True)
     original = copy.deepcopy(model.state_dict())
-    assert _rotate(model, RotationConfig()) is False
+    assert _rotate(model, RotationConfig("none")) is False
     assert all(torch.equal(t, original[n]) for n, t in model.state_dict().items())
     assert model.config.tie_word_embeddings is True
 

@@ -272,3 +272,15 @@ def test_engine_config_is_validated(kwargs: dict, message: str) -> None:
 
     with pytest.raises(QuantkitError, match=message):
         EngineConfig(**kwargs)
+
+
+def test_the_engine_leaves_the_allocator_policy_to_its_caller(tiny_model_dir: Path, monkeypatch) -> None:
+    """The process-wide glibc policy is the entry point's choice (serve, bench, smoke; quantize sets another):
+    building and running an engine calls no mallopt."""
+    import quantkit.memory
+
+    looked_up: list[str] = []
+    monkeypatch.setattr(quantkit.memory, "_libc_function", lambda name: looked_up.append(name))
+    llm = LLM(tiny_model_dir, num_kv_blocks=16, block_size=4, max_model_len=64)
+    out = llm.generate([[1, 5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert len(out[0].token_ids) == 3 and looked_up == []

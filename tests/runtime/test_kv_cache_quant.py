@@ -19,6 +19,7 @@ from quantkit.runtime.engine import Engine
 from quantkit.runtime.kv_cache import (
     QUANT_FORMATS,
     KVCache,
+    LayerKV,
     bytes_per_block,
     check_kv_cache_dtype,
     dequantize,
@@ -106,7 +107,7 @@ def test_bytes_per_block_counts_scales_and_8bit_holds_twice_bf16():
         cache = KVCache(2, 5, block, heads, d, torch.bfloat16, fmt)
         assert cache.nbytes == 5 * bytes_per_block(2, block, heads, d, torch.bfloat16, fmt)
     auto = KVCache(2, 5, block, heads, d, torch.bfloat16)
-    assert auto.scales is None and auto.values.dtype == torch.bfloat16 and auto.layer(1)[2] is None
+    assert auto.scales is None and auto.values.dtype == torch.bfloat16 and auto.layer(1).k_scale is None
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -120,7 +121,9 @@ def test_engine_sizes_the_cache_in_bytes(tiny_model_dir: Path, fmt):
     assert n_q8 == memory // q8.runner.cache.bytes_per_block and q8.runner.cache.nbytes <= memory
     assert n_q8 / n_auto >= 3.5  # fp32 compute on CPU, head_dim 16: 64 / (16 + 2)
     attn = q8.model.model.layers[1].self_attn
-    assert attn.k_scale is not None and attn.k_scale.data_ptr() == q8.runner.cache.scales[0, 1].data_ptr()
+    assert attn.kv.k_scale is not None and attn.kv.k_scale.data_ptr() == q8.runner.cache.scales[0, 1].data_ptr()
+    assert torch.equal(attn.kv.rotation, kv_rotation(16, torch.device("cpu")))  # keys stored rotated
+    assert auto.model.model.layers[1].self_attn.kv.rotation is None and not auto.runner.cache.layer(1).quantized
 
 
 # ------------------------------------------------------------------------------------ torch backend
@@ -151,14 +154,15 @@ def test_torch_backend_reads_what_it_wrote(fmt):
     backend = TorchAttentionBackend()
     rotation = kv_rotation(d, torch.device("cpu"))
     cache = KVCache(1, nb, bs, hkv, d, torch.float32, fmt)
-    kc, vc, ks, vs = cache.layer(0)
-    ref_k, ref_v = torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d)  # float cache
+    kv = cache.layer(0)
+    kc, vc, ks, vs = kv.k, kv.v, kv.k_scale, kv.v_scale
+    ref = LayerKV(torch.zeros(nb, bs, hkv, d), torch.zeros(nb, bs, hkv, d))  # float cache
 
     def step(query_lens, ctx_lens, is_prefill):
         meta = _meta(query_lens, ctx_lens, tables, bs, is_prefill)
         t = sum(query_lens)
         q, k, v = (torch.randn(t, h, d, generator=gen) for h in (hq, hkv, hkv))
-        out = backend.forward(q, k, v, kc, vc, meta, d**-0.5, k_scale=ks, v_scale=vs)
+        out = backend.forward(q, k, v, kv, meta, d**-0.5)
         # the same step on a float cache holding the dequantized values (keys rotated), with rotated queries:
         # identical math without scales
         deq_k, deq_v = dequantize(kc, ks, torch.float32), dequantize(vc, vs, torch.float32)
@@ -166,16 +170,16 @@ def test_torch_backend_reads_what_it_wrote(fmt):
         fresh_v = deq_v.view(-1, hkv, d)[meta.slot_mapping]
         qr = q @ rotation
         if is_prefill:
-            want = prefill_attention(qr, fresh_k, fresh_v, deq_k, deq_v, meta, d**-0.5)
+            want = prefill_attention(qr, fresh_k, fresh_v, LayerKV(deq_k, deq_v), meta, d**-0.5)
         else:
-            want = TorchAttentionBackend().decode(qr, deq_k, deq_v, meta, d**-0.5)
+            want = TorchAttentionBackend().decode(qr, LayerKV(deq_k, deq_v), meta, d**-0.5)
         assert torch.allclose(out, want, atol=1e-5, rtol=1e-5)
         # and close to the float cache
-        TorchAttentionBackend().write_kv(k, v, ref_k, ref_v, meta)
+        TorchAttentionBackend().write_kv(k, v, ref, meta)
         exact = (
-            prefill_attention(q, k, v, ref_k, ref_v, meta, d**-0.5)
+            prefill_attention(q, k, v, ref, meta, d**-0.5)
             if is_prefill
-            else TorchAttentionBackend().decode(q, ref_k, ref_v, meta, d**-0.5)
+            else TorchAttentionBackend().decode(q, ref, meta, d**-0.5)
         )
         tol = 0.03 if fmt == "int8" else 0.12
         assert float((out - exact).abs().max() / exact.abs().max()) < tol

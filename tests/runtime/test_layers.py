@@ -16,6 +16,7 @@ from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import linear_tensors
 from quantkit.runtime.attention_backend import AttentionMetadata, TorchAttentionBackend
+from quantkit.runtime.kv_cache import LayerKV
 from quantkit.runtime.layers import Linear, RMSNorm, RopeConfig, RotaryEmbedding, apply_rotary
 
 
@@ -136,20 +137,20 @@ def _meta(prefill: bool, tables: list[list[int]], starts: list[int], ns: list[in
 def test_prefill_reads_cached_prefix_and_decode_is_batched() -> None:
     torch.manual_seed(0)
     backend = TorchAttentionBackend()
-    k_cache, v_cache = torch.zeros(12, BS, HKV, D), torch.zeros(12, BS, HKV, D)
+    kv = LayerKV(torch.zeros(12, BS, HKV, D), torch.zeros(12, BS, HKV, D))
     lens = [7, 10]
     tables = [[5, 2], [9, 0, 11]]
     full_k = [torch.randn(n + 1, HKV, D) for n in lens]
     full_v = [torch.randn(n + 1, HKV, D) for n in lens]
     full_q = [torch.randn(n + 1, HQ, D) for n in lens]
     # seq 0: prefill all 7 tokens; seq 1: 4 "cached" tokens written beforehand, prefill the other 6
-    backend.write_kv(full_k[1][:4], full_v[1][:4], k_cache, v_cache, _meta(True, [tables[1]], [0], [4]))
+    backend.write_kv(full_k[1][:4], full_v[1][:4], kv, _meta(True, [tables[1]], [0], [4]))
     starts, ns = [0, 4], [7, 6]
     meta = _meta(True, tables, starts, ns)
     q = torch.cat([full_q[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns, strict=True))])
     k = torch.cat([full_k[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns, strict=True))])
     v = torch.cat([full_v[i][s : s + n] for i, (s, n) in enumerate(zip(starts, ns, strict=True))])
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    out = backend.forward(q, k, v, kv, meta, 1 / math.sqrt(D))
     ref0 = _reference(full_q[0][:7], full_k[0][:7], full_v[0][:7], 0)
     ref1 = _reference(full_q[1][4:10], full_k[1][:10], full_v[1][:10], 4)
     assert torch.allclose(out, torch.cat([ref0, ref1]), atol=1e-5)
@@ -158,7 +159,7 @@ def test_prefill_reads_cached_prefix_and_decode_is_batched() -> None:
     q = torch.stack([full_q[i][n] for i, n in enumerate(lens)])
     k = torch.stack([full_k[i][n] for i, n in enumerate(lens)])
     v = torch.stack([full_v[i][n] for i, n in enumerate(lens)])
-    out = backend.forward(q, k, v, k_cache, v_cache, meta, 1 / math.sqrt(D))
+    out = backend.forward(q, k, v, kv, meta, 1 / math.sqrt(D))
     for i, n in enumerate(lens):
         ref = _reference(full_q[i][n : n + 1], full_k[i][: n + 1], full_v[i][: n + 1], n)
         assert torch.allclose(out[i], ref[0], atol=1e-5)

@@ -11,14 +11,12 @@ import torch
 from helpers.paths import REPO
 from helpers.runtime import save_quantized
 from helpers.tiny import build_word_tokenizer, tiny_llama
+from lm_eval.api.instance import Instance
+from lm_eval.models.openai_completions import LocalCompletionsAPI  # needs lm-eval's [api] extra (a dev dependency)
 
 from quantkit.format.loader import load_quantized_model
+from quantkit.runtime.config import EngineConfig
 from quantkit.server import ServeConfig, ServerThread, create_app
-
-pytest.importorskip("lm_eval")
-pytest.importorskip("tenacity")  # lm-eval's API models need its [api] extra
-from lm_eval.api.instance import Instance
-from lm_eval.models.openai_completions import LocalCompletionsAPI
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +37,10 @@ def checkpoint(tmp_path_factory) -> Path:
 def url(checkpoint):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    app = create_app(checkpoint, ServeConfig(port=0, served_model_name=NAME, max_model_len=128, kv_cache_blocks=64))
+    app = create_app(
+        checkpoint,
+        ServeConfig(port=0, served_model_name=NAME, engine=EngineConfig(max_model_len=128, num_kv_blocks=64)),
+    )
     with ServerThread(app) as server:
         yield server.url
     torch.set_num_threads(threads)

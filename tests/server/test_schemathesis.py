@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import schemathesis  # noqa: F401 (a dev dependency: its CLI runs below; missing, the test fails)
 from helpers.tiny import save_tiny_model
 
+from quantkit.runtime.config import EngineConfig
 from quantkit.server import ServeConfig, ServerThread, create_app
-
-pytest.importorskip("schemathesis")
 
 API_KEY = "secret-key"
 CHECKS = (
@@ -26,7 +26,7 @@ CHECKS = (
 def server_url(tmp_path_factory) -> str:
     # A 64-token context bounds every generation a generated request can ask for.
     model: Path = save_tiny_model(tmp_path_factory.mktemp("schema") / "model", max_position_embeddings=64)
-    config = ServeConfig(port=0, served_model_name="tiny", kv_cache_blocks=64, api_key=API_KEY)
+    config = ServeConfig(port=0, served_model_name="tiny", api_key=API_KEY, engine=EngineConfig(num_kv_blocks=64))
     with ServerThread(create_app(model, config)) as server:
         yield server.url
 

@@ -10,17 +10,17 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 from helpers.tiny import save_tiny_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.engine import Engine
 from quantkit.server import ServeConfig, ServerThread, create_app
 from quantkit.server.app import default_served_name
 from quantkit.server.protocol import MAX_LOGPROBS
-
-openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
 TOL = 1e-4
@@ -35,7 +35,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def srv(model_dir):
-    config = ServeConfig(port=0, served_model_name=MODEL, kv_cache_blocks=128)
+    config = ServeConfig(port=0, served_model_name=MODEL, engine=EngineConfig(num_kv_blocks=128))
     with ServerThread(create_app(model_dir, config)) as server:
         yield server
 
@@ -216,7 +216,7 @@ def test_default_served_name_is_never_a_path(model_dir, tmp_path, monkeypatch):
 
 
 def test_served_name_default_and_override(model_dir):
-    app = create_app(model_dir, ServeConfig(port=0, kv_cache_blocks=32))
+    app = create_app(model_dir, ServeConfig(port=0, engine=EngineConfig(num_kv_blocks=32)))
     with ServerThread(app) as server:
         models = httpx.get(f"{server.url}/v1/models").json()["data"]
         assert [m["id"] for m in models] == ["model"]
@@ -255,7 +255,7 @@ def test_no_local_path_in_error_messages(tmp_path, monkeypatch):
     tiny_llama().save_pretrained(secret)  # no tokenizer
     monkeypatch.chdir(tmp_path)
     for model in ("secret-dir/weights", str(secret)):
-        app = create_app(model, ServeConfig(port=0, kv_cache_blocks=16))
+        app = create_app(model, ServeConfig(port=0, engine=EngineConfig(num_kv_blocks=16)))
         with ServerThread(app) as server:
             assert httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"] == "weights"
             bodies = [

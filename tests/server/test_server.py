@@ -14,15 +14,15 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 from helpers.cli import run_cli
 from helpers.paths import REPO
 from helpers.tiny import save_tiny_model
 
+from quantkit.runtime.config import EngineConfig
 from quantkit.server import ServeConfig, ServerThread, create_app
 from quantkit.server.runner import drain
-
-openai = pytest.importorskip("openai")
 
 MODEL = "tiny"
 LONG = 1900  # completion tokens for a request that is still running when the test acts on it
@@ -34,8 +34,8 @@ def model_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("serve") / "model", max_position_embeddings=2048)
 
 
-def _config(**kw) -> ServeConfig:
-    return ServeConfig(port=0, served_model_name=MODEL, kv_cache_blocks=256, **kw)
+def _config(engine: dict | None = None, **kw) -> ServeConfig:
+    return ServeConfig(port=0, served_model_name=MODEL, engine=EngineConfig(num_kv_blocks=256, **(engine or {})), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_api_key(model_dir):
 
 
 def test_full_queue_gets_429_then_recovers(model_dir):
-    app = create_app(model_dir, _config(max_num_seqs=1, max_queue=1))
+    app = create_app(model_dir, _config({"max_num_seqs": 1}, max_queue=1))
     with ServerThread(app) as srv:
         srv.state.engine.pause()  # a blocked engine: requests pile up
         body = {"model": MODEL, "prompt": "the a", "max_tokens": 3}
@@ -400,7 +400,7 @@ def test_api_key_scheme_is_case_insensitive_and_keys_may_be_non_ascii(model_dir)
 def test_no_local_path_reaches_a_client(model_dir, tmp_path):
     bare = tmp_path / "bare-model"  # no tokenizer: the engine's refusal of stop strings names its directory
     shutil.copytree(model_dir, bare, ignore=shutil.ignore_patterns("tokenizer*", "special_tokens*"))
-    with ServerThread(create_app(bare, ServeConfig(port=0, kv_cache_blocks=64))) as srv:
+    with ServerThread(create_app(bare, ServeConfig(port=0, engine=EngineConfig(num_kv_blocks=64)))) as srv:
         assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models").json()["data"]] == ["bare-model"]
         bodies = [
             {"model": str(bare), "prompt": [5, 6]},
@@ -465,7 +465,7 @@ def test_a_slow_body_gets_408_without_holding_the_connection():
     import asyncio
     import time
 
-    from quantkit.server.app import _read_body
+    from quantkit.server.gate import read_body
 
     async def first_chunk_then_silence():
         yield {"type": "http.request", "body": b'{"model": ', "more_body": True}
@@ -477,7 +477,7 @@ def test_a_slow_body_gets_408_without_holding_the_connection():
         return await chunks.__anext__()
 
     start = time.perf_counter()
-    result = asyncio.run(_read_body({"headers": []}, receive, limit=1 << 20, timeout=0.2))
+    result = asyncio.run(read_body({"headers": []}, receive, limit=1 << 20, timeout=0.2))
     assert time.perf_counter() - start < 2
     assert result.status == 408 and "--body-timeout" in result.message
 
@@ -487,7 +487,7 @@ def test_speculative_server_reports_acceptance_in_metrics(model_dir):
     body = {"model": MODEL, "prompt": "the cat the cat the cat the cat", "max_tokens": 24, "temperature": 0}
     with ServerThread(create_app(model_dir, _config())) as plain_srv:
         plain = httpx.post(f"{plain_srv.url}/v1/completions", json=body).json()["choices"][0]["text"]
-    with ServerThread(create_app(model_dir, _config(speculative="ngram", num_speculative_tokens=4))) as srv:
+    with ServerThread(create_app(model_dir, _config({"speculative": "ngram", "num_speculative_tokens": 4}))) as srv:
         spec = httpx.post(f"{srv.url}/v1/completions", json=body).json()["choices"][0]["text"]
         metrics = httpx.get(f"{srv.url}/metrics").text
     assert spec == plain

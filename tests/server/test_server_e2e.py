@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import openai
 import pytest
 
+from quantkit.runtime.config import EngineConfig
 from quantkit.server import ServeConfig, ServerThread, create_app
 from quantkit.server.smoke import run_smoke
 
-openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.e2e
 
 
 def test_openai_client_and_smoke_on_smollm2(smollm2_dir):
-    app = create_app(smollm2_dir, ServeConfig(port=0, served_model_name="smollm2", max_model_len=512))
+    app = create_app(
+        smollm2_dir, ServeConfig(port=0, served_model_name="smollm2", engine=EngineConfig(max_model_len=512))
+    )
     with ServerThread(app) as srv:
         api = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
         done = api.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=8, temperature=0)

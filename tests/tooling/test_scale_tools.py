@@ -1,18 +1,17 @@
-"""The tools of the scale and GPU checks: random models in real shapes, running a command under a RAM cap, and the
-GPU check's JSON plumbing (its steps themselves need a GPU; --dry-run runs them on the CPU)."""
+"""The tools of the scale checks: random models in real shapes (also built by the GPU check) and running a command
+under a RAM cap."""
 
 from __future__ import annotations
 
 import json
-import subprocess
+import math
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from helpers.paths import REPO
 
-from tools import gpu_check, memory_cap, random_model
+from tools import memory_cap, random_model
 
 # holds the memory for a second: the cap's poller must see it before the process exits
 ALLOCATE = (
@@ -51,6 +50,29 @@ def test_a_sharded_random_model_has_an_index(tmp_path: Path) -> None:
     assert "lm_head.weight" in index["weight_map"]
 
 
+def test_a_random_model_can_keep_the_width_with_fewer_layers(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from safetensors import safe_open
+
+    out = random_model.build_random_model(tmp_path / "m", "tiny", layers=1, shard_mb=1)
+    config = json.loads((out / "config.json").read_text())
+    shape = random_model.PRESETS["tiny"]
+    assert config["num_hidden_layers"] == 1 and config["hidden_size"] == shape.hidden
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = list(f.keys())
+        count = sum(math.prod(f.get_slice(n).get_shape()) for n in names)
+    assert count == random_model.parameter_count(replace(shape, layers=1)) < random_model.parameter_count(shape)
+    assert not any(n.startswith("model.layers.1.") for n in names)
+
+
+def test_drawing_on_a_missing_gpu_is_one_clear_error(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit, match="torch sees no CUDA device here; use --device cpu"):
+        random_model.main(["tiny", str(tmp_path / "m"), "--device", "cuda"])
+
+
 @pytest.mark.parametrize("use_cgroup", [False, True])
 def test_a_command_over_the_cap_is_killed_and_one_under_it_is_measured(use_cgroup: bool) -> None:
     if use_cgroup:
@@ -67,63 +89,3 @@ def test_a_command_over_the_cap_is_killed_and_one_under_it_is_measured(use_cgrou
     assert 300e6 < under.peak_anon_bytes <= under.peak_rss_bytes < 2e9 and under.enforcement.startswith(
         "cgroup" if use_cgroup else "watch"
     )
-
-
-def test_junit_reports_and_step_results_merge_into_one_json(tmp_path: Path) -> None:
-    report = tmp_path / "r.xml"
-    report.write_text(
-        '<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
-        '<testcase classname="t.a" name="ok"/><testcase classname="t.a" name="bad"><failure/></testcase>'
-        '<testcase classname="t.a" name="skip"><skipped/></testcase></testsuite></testsuites>'
-    )
-    steps = tmp_path / "steps"
-    steps.mkdir()
-    gpu_check.junit(report, steps / "kernels.json")
-    (steps / "kernels.status.json").write_text(json.dumps({"rc": 1, "seconds": 2.0}))
-    (steps / "env.status.json").write_text(json.dumps({"rc": 0, "seconds": 1.0}))
-    gpu_check.merge(steps, tmp_path / "all.json")
-    merged = json.loads((tmp_path / "all.json").read_text())["steps"]
-    assert merged["kernels"]["result"] == {
-        "tests": 3,
-        "failures": 1,
-        "errors": 0,
-        "skipped": 1,
-        "passed": 1,
-        "failed": ["t.a::bad"],
-    }
-    assert merged["env"] == {"rc": 0, "seconds": 1.0}
-
-
-@pytest.mark.slow
-def test_the_gpu_check_runs_its_steps_on_the_cpu(tmp_path: Path) -> None:
-    """--dry-run: tiny models on the CPU; a failing step is recorded and the next one runs."""
-    out = tmp_path / "out"
-    env = {"GPU_CHECK_WORK": str(tmp_path / "work"), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-    env["GPU_CHECK_LIMIT_GPTQ"] = "1"  # too short to finish: recorded as timed out
-    result = subprocess.run(
-        [
-            "bash",
-            str(REPO / "tools" / "gpu_check.sh"),
-            "--dry-run",
-            "--out",
-            str(out),
-            "env",
-            "parity",
-            "gptq",
-            "decode",
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-        check=False,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    steps = json.loads((out / "gpu_check.json").read_text())["steps"]
-    assert steps["env"]["ok"] and steps["env"]["result"]["cuda"] is (torch.cuda.is_available())
-    parity = steps["parity"]["result"]
-    assert steps["parity"]["ok"] and parity["identical"] == parity["prompts"] == 2  # float32 on the CPU: exact
-    assert steps["gptq"]["timed_out"] and not steps["gptq"]["ok"]
-    rows = steps["decode"]["result"]["rows"]
-    assert [r["batch"] for r in rows] == [1, 2] and all(r["tokens_per_s"] > 0 for r in rows)
-    assert sorted(p.name for p in out.iterdir()) == ["gpu_check.json", "gpu_check.log"]

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,28 +47,17 @@ QRange = tuple[torch.Tensor, torch.Tensor]  # per-row (lo, hi) [R, 1]
 LossFn = Callable[[Sequence[torch.Tensor]], float]  # candidate dequantized weights (one per linear) -> error
 
 
-@dataclass
-class AWQConfig:
-    grid: int = 20  # ratios r = i / grid, i = 0 .. grid-1
-    duo_scaling: bool = True  # s = x_mean**r / w_mean**(1-r); else x_mean**r
-    clip: bool = True
-    clip_grid: int = 20  # shrink factors 1 - i / clip_grid, from 1.0 down to max_shrink
-    max_shrink: float = 0.5
-    search_samples: int | None = 8  # use only the first N calibration samples for the searches (None: all)
-    objective: Objective = "linear"
-    clip_tokens: int = 4096  # clip search: at most this many (evenly strided) input tokens
+class AWQSettings(Protocol):
+    """The options the searches read (``quantization/methods/awq.py`` holds them, with their defaults)."""
 
-    def __post_init__(self) -> None:
-        if self.grid < 1 or self.clip_grid < 1:
-            raise QuantkitError(f"AWQ grids must be >= 1 (grid={self.grid}, clip_grid={self.clip_grid})")
-        if not 0.0 < self.max_shrink <= 1.0:
-            raise QuantkitError(f"AWQ max_shrink must be in (0, 1], got {self.max_shrink}")
-        if self.search_samples is not None and self.search_samples < 1:
-            raise QuantkitError(f"AWQ search_samples must be >= 1 or None, got {self.search_samples}")
-        if self.objective not in ("module", "linear"):
-            raise QuantkitError(f"AWQ objective must be 'module' or 'linear', got {self.objective!r}")
-        if self.clip_tokens < 1:
-            raise QuantkitError(f"AWQ clip_tokens must be >= 1, got {self.clip_tokens}")
+    grid: int  # ratios r = i / grid, i = 0 .. grid-1
+    duo_scaling: bool  # s = x_mean**r / w_mean**(1-r); else x_mean**r
+    clip: bool
+    clip_grid: int  # shrink factors 1 - i / clip_grid, from 1.0 down to max_shrink
+    max_shrink: float
+    search_samples: int | None  # use only the first N calibration samples for the searches (None: all)
+    objective: Objective
+    clip_tokens: int  # clip search: at most this many (evenly strided) input tokens
 
 
 @dataclass(slots=True)
@@ -213,7 +202,7 @@ def awq_scale_search(
     schemes: Sequence[QuantScheme | None],
     x_mean: torch.Tensor,
     loss_fn: LossFn,
-    config: AWQConfig,
+    config: AWQSettings,
     *,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> ScaleSearchResult:

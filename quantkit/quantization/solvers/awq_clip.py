@@ -12,7 +12,7 @@ import torch
 
 from quantkit.format.scheme import QuantScheme
 from quantkit.quantization.solvers.awq import (
-    AWQConfig,
+    AWQSettings,
     _fake_quantize_rows_,
     _grouped,
     _search_scheme,
@@ -39,7 +39,7 @@ class ClipResult:
 # -------------------------------------------------------------------------------------------------- clip search
 
 
-def clip_shrinks(config: AWQConfig) -> torch.Tensor:
+def clip_shrinks(config: AWQSettings) -> torch.Tensor:
     """Candidate fractions of the abs max: 1.0, 1 - 1/clip_grid, ... down to ``max_shrink`` (inclusive)."""
     steps = [1.0 - i / config.clip_grid for i in range(config.clip_grid + 1)]
     return torch.tensor([f for f in steps if f >= config.max_shrink - 1e-9])
@@ -67,7 +67,7 @@ def awq_clip_search(
     weight: torch.Tensor,
     x: torch.Tensor,
     scheme: QuantScheme,
-    config: AWQConfig,
+    config: AWQSettings,
     *,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> ClipResult:

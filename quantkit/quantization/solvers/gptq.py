@@ -14,40 +14,28 @@ per-token squared output error (summed over output channels).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from quantkit.device import float64_device
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.quantization.solvers.gptq_factor import HessianParking, all_finite, factor_in_place, fill_working
+from quantkit.quantization.solvers.gptq_factor import Parking, all_finite, factor_in_place, fill_working
 from quantkit.quantization.solvers.grid import all_group_qparams, compute_qparams, quantize_rtn
 
 _RETRY_MIN_DAMP = 1e-4  # so that a failed damp=0 attempt is retried with some damping
 
 
-@dataclass
-class GPTQConfig:
-    damp: float = 0.01  # fraction of mean(diag H) added to the diagonal
-    block_size: int = 128
-    damp_retries: int = 3  # extra attempts, each with damp *= damp_growth
-    damp_growth: float = 10.0
-    # fit the float model's outputs on its own inputs, not the linear's own on the quantized inputs (GPTAQ;
-    # quantkit.quantization.float_targets): the run carries the float model's activations
-    float_targets: bool = False
+class GPTQSettings(Protocol):
+    """The options the solver reads (``quantization/methods/gptq.py`` holds them, with their defaults)."""
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.damp < 1:
-            raise QuantkitError(f"--damp must be in [0, 1), got {self.damp}")
-        if self.damp < 0 or self.damp_growth <= 1 or self.damp_retries < 0:
-            raise QuantkitError(
-                f"invalid GPTQ damping (damp={self.damp}, growth={self.damp_growth}, retries={self.damp_retries}); "
-                "use damp >= 0, damp_growth > 1, damp_retries >= 0"
-            )
-        if self.block_size <= 0:
-            raise QuantkitError(f"--block-size must be positive, got {self.block_size}")
+    damp: float  # fraction of mean(diag H) added to the diagonal
+    block_size: int  # columns per lazy batch update
+    damp_retries: int  # extra attempts, each with damp *= damp_growth
+    damp_growth: float
 
 
 @dataclass(slots=True)
@@ -101,8 +89,8 @@ def _factor_with_retries(
     H: torch.Tensor,
     perm: torch.Tensor | None,
     dead: torch.Tensor,
-    config: GPTQConfig,
-    parking: HessianParking | None = None,
+    config: GPTQSettings,
+    parking: Parking | None = None,
 ) -> tuple[torch.Tensor | None, float]:
     """``U`` and the relative damp that worked; retries grow damp (from at least ``_RETRY_MIN_DAMP``).
 
@@ -257,12 +245,12 @@ def gptq_solve(
     W: torch.Tensor,
     H: torch.Tensor,
     scheme: QuantScheme,
-    config: GPTQConfig | None = None,
+    config: GPTQSettings,
     *,
     scale_dtype: torch.dtype = torch.bfloat16,
     name: str = "",
     overwrite: bool = False,
-    hessian_scratch: Path | None = None,
+    parking: Callable[[torch.Tensor], Parking] | None = None,
 ) -> GPTQResult:
     """Quantize ``W`` [N, K] with GPTQ under Hessian ``H`` [K, K] (``2 X^T X / n``); inputs are not modified,
     except ``W`` with ``overwrite`` (a float32 copy the caller made for the call and keeps no reference to: it is
@@ -270,13 +258,13 @@ def gptq_solve(
 
     Scales are rounded to ``scale_dtype`` before use, so the returned weight dequantizes exactly to what the
     solver compensated for. ``name`` only labels the warning when the layer falls back to round-to-nearest.
-    ``hessian_scratch``: a file H is parked in while the solver holds its factor (CPU; H is back, unchanged, when
-    the call returns), so that one [K, K] matrix is in memory at a time instead of two.
+    ``parking``: given the float32 H the solver reads, what hands H's memory away while the solver holds its
+    factor (the run's memory strategy decides how; H is back, unchanged, when the call returns), so that one
+    [K, K] matrix is in memory at a time instead of two.
     """
-    config = config or GPTQConfig()
     _check_shapes(W, H)
     H = H.detach().to(device=W.device, dtype=torch.float32)  # read, never written
-    parking = HessianParking(H, hessian_scratch)
+    parked = _NotParked() if parking is None else parking(H)
     try:
         diag = H.diagonal().clone()
         dead = diag == 0  # columns never activated: zero weight, isolated in H (diagonal 1)
@@ -285,9 +273,9 @@ def gptq_solve(
         act_order = scheme.act_order
         perm = torch.argsort(diag, descending=True, stable=True) if act_order else torch.arange(k, device=W.device)
         order = perm if act_order else None
-        U, damp = _factor_with_retries(H, order, dead if order is None else dead[order], config, parking)
+        U, damp = _factor_with_retries(H, order, dead if order is None else dead[order], config, parked)
         if U is None:
-            parking.unpark()
+            parked.unpark()
             return _rtn_fallback(W.detach().float(), H.detach().float(), scheme, scale_dtype, damp, name)
         W = W.detach().float() if overwrite else W.detach().float().clone()
         if bool(dead.any()):
@@ -298,7 +286,17 @@ def gptq_solve(
         qint, loss = _gptq_loop(WT, U, diag[perm], plan, scheme, config.block_size, scale_dtype)
         del U, WT
     finally:
-        parking.unpark()
+        parked.unpark()
     qweight = qint[:, torch.argsort(perm)].contiguous() if act_order else qint
     weight = QuantizedWeight(qweight=qweight, scale=plan.scale, zero=plan.zero, g_idx=plan.g_idx, scheme=scheme)
     return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=False)
+
+
+class _NotParked:
+    """No memory strategy: H stays where it is."""
+
+    def park(self) -> None:
+        pass
+
+    def unpark(self) -> None:
+        pass

@@ -11,14 +11,12 @@ caller's H is only read, and besides it one buffer is held:
   the Cholesky factorization, the inverse from it and the second factorization all run in place on that view.
   The result is the column-major ``U`` torch's out-of-place calls return, with the same values bit for bit
   (tests/quantization/solvers/test_gptq_factor.py);
-- given a scratch file, the caller's H itself is parked there while the factor is held (:class:`HessianParking`).
+- given a :class:`Parking`, the caller's H itself is handed away while the factor is held.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
-from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -72,47 +70,10 @@ def all_finite(m: torch.Tensor) -> bool:
     return all(bool(torch.isfinite(rows[i : i + step]).all()) for i in range(0, rows.shape[0], step))
 
 
-class HessianParking:
-    """Hands a CPU tensor's memory to a scratch file while the solver holds its factor, and reads it back in place.
+class Parking(Protocol):
+    """Hands the caller's Hessian memory away while the factor is held, and back before it is read again (the
+    run's memory strategy implements it: :mod:`quantkit.quantization.memory_strategy`)."""
 
-    The tensor's storage is written out and resized to nothing, which frees it for every view at once (the caller's
-    H included), and later resized back and refilled with the same bytes. With no path, a tensor not on the CPU or a
-    storage that cannot be resized, parking does nothing. Reading the tensor while parked is an error.
-    """
+    def park(self) -> None: ...
 
-    def __init__(self, tensor: torch.Tensor, path: Path | None) -> None:
-        self.tensor = tensor
-        self.path = path if path is not None and tensor.device.type == "cpu" else None
-        self.nbytes = tensor.untyped_storage().nbytes()
-        self.parked = False
-
-    def park(self) -> None:
-        if self.path is None or self.parked:
-            return
-        storage = self.tensor.untyped_storage()
-        with open(self.path, "wb") as f:
-            f.write(_raw_view(storage))
-            # on disk, then out of the page cache: a parked matrix kept as cache still counts against a cgroup
-            f.flush()
-            os.fsync(f.fileno())
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        try:
-            storage.resize_(0)
-        except RuntimeError:  # not resizable (memory it does not own): keep it in memory
-            return
-        self.parked = True
-
-    def unpark(self) -> None:
-        if not self.parked:
-            return
-        storage = self.tensor.untyped_storage()
-        storage.resize_(self.nbytes)
-        with open(self.path, "rb") as f:  # type: ignore[arg-type]
-            if f.readinto(_raw_view(storage)) != self.nbytes:
-                raise OSError(f"scratch file {self.path} is truncated")
-        self.parked = False
-
-
-def _raw_view(storage: torch.UntypedStorage) -> memoryview:
-    """The storage's bytes as a writable view, through ctypes: a numpy view would mark the storage not resizable."""
-    return memoryview((ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
+    def unpark(self) -> None: ...

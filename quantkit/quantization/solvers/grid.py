@@ -178,11 +178,6 @@ def group_slices(in_features: int, scheme: QuantScheme) -> list[slice]:
     return [slice(start, min(start + step, in_features)) for start in range(0, in_features, step)]
 
 
-@dataclass(frozen=True)
-class RTNConfig:
-    """Round-to-nearest (:func:`quantize_rtn`): data-free, each weight alone; the scheme says everything else."""
-
-
 def quantize_rtn(
     W: torch.Tensor,
     scheme: QuantScheme,

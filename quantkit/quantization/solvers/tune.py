@@ -41,7 +41,6 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import nn
 
-from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.quantization.solvers.grid import _round_scale
 
@@ -51,19 +50,6 @@ CODE_OFFSET = 1.0
 # multipliers on SmolLM2's blocks had 1st / 99th percentiles of 0.81-0.88 / 1.10-1.16; with bounds of +-50%
 # the loss changed by under 1%.
 SCALE_RANGE = (0.75, 1.25)
-# Default learning rates at the start of the linear decay, the same for any number of steps. Measured on
-# SmolLM2-135M's blocks 3, 15 and 27 (rotated, GPTQ start, 64 windows of 512): at W3 g64 and 200 steps,
-# offsets 0.03 / scales 0.015 lowered the block-output error by 14-38% where 2/steps and 1/steps (0.01 / 0.005)
-# gave 8-18%; rates that shrink with the step count made more steps worthless (100, 200 and 400 steps all gave
-# 8-21%). End to end (40 held-out windows), rot + GPTQ + tune at W3 g64 went from +15.0% (100 steps, 0.02 / 0.01)
-# to +12.3% (200 steps, 0.03 / 0.015); at W4 g64 and 100 steps 0.03 / 0.015 gave +3.2% (KL 0.063) against
-# +2.8% (KL 0.062) with 0.02 / 0.01: no gain where the rounding is finer. Higher rates fit the block better and
-# buy nothing end to end: at W4 g64 (100 steps, the last step kept) 0.05 / 0.025 lowered the error on 16 held-out
-# windows of three blocks by 15.0-22.1%, 0.03 / 0.015 by 14.5-21.5%, 0.02 / 0.01 by 10.8-19.6%; the model came
-# out at +3.6% (KL 0.064); at W3 g64 (200 steps) +12.7% (KL 0.200). At 0.12 / 0.06 one W4 block did not improve.
-OFFSET_LR = 0.03
-SCALE_LR = 0.015
-
 Optimizer = Literal["sign", "adam"]
 OPTIMIZERS: tuple[str, ...] = ("sign", "adam")
 
@@ -78,33 +64,16 @@ class FunctionalRunner(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class TuneConfig:
-    """Block-output tuning of the rounding and scales (``steps=0``: off).
+class TuneSettings(Protocol):
+    """The options tuning reads (``quantization/methods/tune.py`` holds them, with their defaults)."""
 
-    Defaults fit SmolLM2-135M's 30 blocks in about 5 minutes on 2 CPU cores (40 windows of 512 tokens); more
-    windows per step lower the loss a little more per step at a higher cost per step.
-    """
-
-    steps: int = 100
-    lr: float = OFFSET_LR  # rounding offsets V
-    scale_lr: float = SCALE_LR  # scale multipliers M
-    batch_windows: int = 1  # calibration windows per step
-    tune_scales: bool = True
-    seed: int = 0
-    optimizer: Optimizer = "adam"  # "adam" or "sign" (signed gradient descent, as AutoRound)
-
-    def __post_init__(self) -> None:
-        if self.steps < 0:
-            raise QuantkitError(f"--tune-steps must be >= 0 (0 turns tuning off), got {self.steps}")
-        if self.batch_windows < 1:
-            raise QuantkitError(f"--tune-batch-windows must be >= 1, got {self.batch_windows}")
-        if not self.lr > 0:
-            raise QuantkitError(f"--tune-lr must be positive (default {OFFSET_LR}), got {self.lr}")
-        if not self.scale_lr > 0:
-            raise QuantkitError(f"--tune-scale-lr must be positive (default {SCALE_LR}), got {self.scale_lr}")
-        if self.optimizer not in OPTIMIZERS:
-            raise QuantkitError(f"unknown tuning optimizer {self.optimizer!r}; use one of {list(OPTIMIZERS)}")
+    steps: int
+    lr: float  # rounding offsets V
+    scale_lr: float  # scale multipliers M
+    batch_windows: int  # calibration windows per step
+    tune_scales: bool
+    seed: int
+    optimizer: Optimizer
 
 
 @dataclass(slots=True)
@@ -246,7 +215,7 @@ def tune_block(
     inputs: torch.Tensor,
     targets: torch.Tensor,
     weights: dict[str, QuantizedWeight],
-    config: TuneConfig,
+    config: TuneSettings,
     storage: torch.dtype,
     *,
     start_outputs: torch.Tensor | None = None,
@@ -311,7 +280,7 @@ def _optimise(
     targets: torch.Tensor,
     linears: dict[str, _TunedLinear],
     start_losses: torch.Tensor,
-    config: TuneConfig,
+    config: TuneSettings,
 ) -> tuple[dict[str, list[torch.Tensor]] | None, list[float]]:
     """The optimisation loop: the parameters after the last step (None when a step's loss was not finite)
     and each step's batch loss relative to the starting weights' on the same windows."""

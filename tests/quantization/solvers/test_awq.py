@@ -20,9 +20,9 @@ from transformers import (
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec, ScalingGroup, arch_for_model_type
 from quantkit.model.blocks import BlockRunner, get_module
-from quantkit.quantization.awq_block import applicable_groups, apply_awq_to_block
+from quantkit.quantization.methods.awq import AWQConfig
+from quantkit.quantization.methods.awq_block import applicable_groups, apply_awq_to_block
 from quantkit.quantization.solvers.awq import (
-    AWQConfig,
     awq_scale_search,
     candidate_scales,
     fake_quantize_weight,

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.solvers.gptq import GPTQConfig, gptq_solve, hessian_weighted_error
+from quantkit.quantization.methods.gptq import GPTQConfig
+from quantkit.quantization.solvers.gptq import gptq_solve, hessian_weighted_error
 from quantkit.quantization.solvers.grid import quantize_rtn
 
 
@@ -52,7 +53,7 @@ def test_identity_hessian_equals_rtn_exactly(scheme: QuantScheme) -> None:
 def test_beats_rtn_on_correlated_inputs(symmetric: bool) -> None:
     x, w = _correlated()
     scheme = QuantScheme(bits=4, group_size=64, symmetric=symmetric)
-    result = gptq_solve(w, _hessian(x), scheme)
+    result = gptq_solve(w, _hessian(x), scheme, GPTQConfig())
     ratio = _output_error(x, w, result.weight.dequantize()) / _output_error(x, w, quantize_rtn(w, scheme).dequantize())
     assert ratio <= 0.5  # measured ~0.27
 
@@ -60,7 +61,7 @@ def test_beats_rtn_on_correlated_inputs(symmetric: bool) -> None:
 def test_loss_is_the_damped_hessian_weighted_error() -> None:
     x, w = _correlated()
     h = _hessian(x)
-    result = gptq_solve(w, h, QuantScheme(bits=4, group_size=32, symmetric=False))
+    result = gptq_solve(w, h, QuantScheme(bits=4, group_size=32, symmetric=False), GPTQConfig())
     damped = h + result.damp * h.diagonal().mean() * torch.eye(h.shape[0])
     expected = hessian_weighted_error(w, result.weight.dequantize(), damped)
     assert result.loss == pytest.approx(expected, rel=1e-4)
@@ -79,7 +80,7 @@ def test_block_size_does_not_change_the_result() -> None:
 def test_act_order_records_a_valid_group_index() -> None:
     x, w = _correlated(k=200)
     scheme = QuantScheme(bits=4, group_size=64, act_order=True)
-    result = gptq_solve(w, _hessian(x), scheme)
+    result = gptq_solve(w, _hessian(x), scheme, GPTQConfig())
     g_idx = result.weight.g_idx
     assert g_idx is not None and g_idx.dtype == torch.int32 and g_idx.shape == (200,)
     assert int(g_idx.min()) >= 0 and int(g_idx.max()) < scheme.num_groups(200)
@@ -95,7 +96,7 @@ def test_act_order_records_a_valid_group_index() -> None:
 def test_act_order_static_groups_keeps_column_groups() -> None:
     x, w = _correlated()
     scheme = QuantScheme(bits=4, group_size=32, act_order=True, static_groups=True)
-    result = gptq_solve(w, _hessian(x), scheme)
+    result = gptq_solve(w, _hessian(x), scheme, GPTQConfig())
     assert result.weight.g_idx is None and result.weight.scale.shape == (32, 4)
     rtn = quantize_rtn(w, QuantScheme(bits=4, group_size=32))
     assert torch.equal(result.weight.scale, rtn.scale)  # params come from the un-updated W
@@ -109,7 +110,7 @@ def test_dead_columns_become_zero(symmetric: bool) -> None:
     dead = [3, 17, 40]
     x[:, dead] = 0.0
     scheme = QuantScheme(bits=4, group_size=32, symmetric=symmetric, act_order=True)
-    result = gptq_solve(w, _hessian(x), scheme)
+    result = gptq_solve(w, _hessian(x), scheme, GPTQConfig())
     deq = result.weight.dequantize()
     assert not result.fell_back_to_rtn
     assert bool(torch.isfinite(deq).all()) and bool(torch.isfinite(result.weight.scale).all())
@@ -126,7 +127,7 @@ def test_unfactorable_hessian_falls_back_to_rtn(bad: str) -> None:
         h[5, 7] = float("nan")  # upper triangle only: Cholesky alone would never read it
     scheme = QuantScheme(bits=4, group_size=32)
     with pytest.warns(RuntimeWarning, match="'model.layers.3.mlp.down_proj'"):
-        result = gptq_solve(w, h, scheme, name="model.layers.3.mlp.down_proj")
+        result = gptq_solve(w, h, scheme, GPTQConfig(), name="model.layers.3.mlp.down_proj")
     assert result.fell_back_to_rtn
     if bad == "negative_definite":  # every retry was tried (a NaN is rejected before any attempt)
         assert result.damp == pytest.approx(0.01 * 10.0**3)
@@ -164,7 +165,7 @@ def test_inputs_are_not_mutated() -> None:
     x[:, 2] = 0.0  # a dead column: the solver zeroes it on its own copy only
     h = _hessian(x)
     w_before, h_before = w.clone(), h.clone()
-    gptq_solve(w, h, QuantScheme(bits=4, group_size=32, act_order=True, mse_clip=True))
+    gptq_solve(w, h, QuantScheme(bits=4, group_size=32, act_order=True, mse_clip=True), GPTQConfig())
     assert torch.equal(w, w_before) and torch.equal(h, h_before)
 
 

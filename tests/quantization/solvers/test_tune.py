@@ -14,12 +14,10 @@ from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.quantization.methods.tune import OFFSET_LR, SCALE_LR, TuneConfig
 from quantkit.quantization.solvers import tune
 from quantkit.quantization.solvers.tune import (
-    OFFSET_LR,
-    SCALE_LR,
     SCALE_RANGE,
-    TuneConfig,
     TuneResult,
     tune_block,
     window_losses,

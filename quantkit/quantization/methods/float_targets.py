@@ -29,13 +29,17 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
-from quantkit.model.architectures import DOWN, ArchSpec
+from quantkit.model.architectures import DOWN, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
-from quantkit.quantization.staged_block import StagedBlock
+from quantkit.model.staged_block import StagedBlock
+from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks
+from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, register
 
 _MIN_DAMP = 1e-4  # with --damp 0: some damping, so that a singular Hessian still factors
 _DAMP_TRIES = 4
@@ -166,3 +170,80 @@ def float_target(weight: torch.Tensor, hessian: torch.Tensor, shift: torch.Tenso
             return (weight.double() + correction).to(weight.dtype)
         relative *= 10.0
     return weight
+
+
+@dataclass(frozen=True)
+class FloatTargetsConfig:
+    """GPTQ fits the float model's outputs on its own inputs, plus the residual stream's error (the module
+    docstring); damped with GPTQ's own damping."""
+
+
+class FloatCompanion:
+    """The float path beside the quantized block, and the moments each stage's targets need."""
+
+    def __init__(self, path: FloatPath) -> None:
+        self.path = path
+        self.moments: StageMoments | None = None
+
+    def open_stage(self, staged: StagedBlock, stage: Stage, in_features: int) -> Iterator[torch.Tensor]:
+        linears = {name: get_module(staged.block, name) for name in stage.linears}
+        if StageMoments.direct_is_cheaper(in_features, [linear.out_features for linear in linears.values()]):
+            weights = {name: linear.weight for name, linear in linears.items()}
+            self.moments = StageMoments(in_features, staged.hidden.device, weights)
+        else:
+            self.moments = StageMoments(in_features, staged.hidden.device)
+        return self.path.stage_inputs(stage.name)
+
+    def observe(self, staged: StagedBlock, stage: Stage, rows: slice, inputs: torch.Tensor, own: torch.Tensor) -> None:
+        assert self.moments is not None
+        residual, float_residual = staged.residual_in(stage.name, rows), self.path.staged.residual_in(stage.name, rows)
+        error = None if residual is None or float_residual is None else residual.float() - float_residual.float()
+        self.moments.add(own, inputs, error)
+
+    def close_stage(self) -> StageMoments:
+        assert self.moments is not None
+        moments, self.moments = self.moments, None
+        moments.normalise_()
+        return moments
+
+    def float_output(self) -> torch.Tensor:
+        return self.path.output()
+
+
+class _Hooks(Hooks):
+    def companion(self, config: Any, work: BlockWork) -> Companion:
+        # a float copy, before any linear is quantized
+        return FloatCompanion(FloatPath(work.block, work.arch, work.runner, work.float_input))
+
+    def target_weights(
+        self,
+        config: Any,
+        solver: Any,
+        names: list[str],
+        weights: list[torch.Tensor],
+        hessian: torch.Tensor,
+        stage_data: Any,
+    ) -> list[torch.Tensor]:
+        return [
+            float_target(w, hessian, stage_data.shift(name, w, hessian), solver.damp)
+            for name, w in zip(names, weights, strict=True)
+        ]
+
+
+ALGORITHM = register(
+    Algorithm(
+        name="float_targets",
+        config=FloatTargetsConfig,
+        role=Role.TARGET,
+        caps=Capabilities(needs_float_path=True, requires=("gptq",)),
+        hooks=_Hooks(),
+        switch=Switch(
+            "flag",
+            flag="--float-targets",
+            help="GPTQ: fit each linear to the float model's outputs (and the residual stream's error), not to its "
+            "own outputs on the quantized inputs (GPTAQ); a regression on the calibration tokens: use 256 windows, "
+            "and --rotate hadamard (unrotated outlier channels make it worse than plain GPTQ).",
+        ),
+        summary="float targets: GPTQ fits the float model's outputs on its own inputs (GPTAQ)",
+    )
+)

@@ -22,7 +22,7 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec, ScalingGroup
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.quantization.solvers.awq import (
-    AWQConfig,
+    AWQSettings,
     LossFn,
     Objective,
     _token_rows,
@@ -182,7 +182,7 @@ def apply_awq_to_block(
     hidden: torch.Tensor,
     runner: BlockRunner,
     schemes: Mapping[str, QuantScheme],
-    config: AWQConfig,
+    config: AWQSettings,
     *,
     scale_dtype: torch.dtype = torch.bfloat16,
 ) -> AWQBlockReport:

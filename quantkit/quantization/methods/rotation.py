@@ -11,17 +11,46 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 
+from quantkit.errors import QuantkitError
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import get_module
 from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is_tied, load_module, release_module
-from quantkit.rotation.config import RotationConfig, Rotations, rotations_for
+from quantkit.quantization.methods.hooks import Hooks, JobView
+from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.rotation.config import ROTATION_KINDS, RotationKind, Rotations, rotations_for
 from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
 from quantkit.rotation.norms import check_rmsnorm
+
+OFF = "none"
+
+
+@dataclass(slots=True, frozen=True)
+class RotationConfig:
+    """``kind`` "hadamard" folds a randomized Hadamard rotation into the residual stream and (with
+    ``rotate_heads``) one per attention head between v_proj and o_proj; "none" leaves the model as it is."""
+
+    kind: RotationKind = option(
+        "hadamard", f"Rotation folded into the weights before solving: {', '.join(ROTATION_KINDS)}.", flag="--rotate"
+    )
+    seed: int = option(0, "Seed of the rotation's random signs.", flag="--rotate-seed")
+    rotate_heads: bool = option(True, "Also rotate each attention head between v_proj and o_proj.", cli=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROTATION_KINDS:
+            raise QuantkitError(f"unknown rotation kind {self.kind!r}; use one of: {', '.join(ROTATION_KINDS)}")
+
+    @property
+    def name(self) -> str:
+        """Short and stable, for file names: "none", "hadamard-s0", "hadamard-s0-nohead"."""
+        if self.kind == OFF:
+            return OFF
+        return f"{self.kind}-s{self.seed}" + ("" if self.rotate_heads else "-nohead")
 
 
 @dataclass(slots=True)
@@ -66,11 +95,9 @@ class JobRotation:
         return functional.embedding(input_ids, outer[self.embed_name]).to(dtype)
 
 
-def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: SourceWeights) -> JobRotation | None:
-    """The rotation of a job (None for ``kind="none"``), checked against the model before any work: the first
-    block and the final norm must fold, or a QuantkitError names the module that blocks it."""
-    if config.kind == "none":
-        return None
+def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: SourceWeights) -> JobRotation:
+    """The rotation of a job, checked against the model before any work: the first block and the final norm must
+    fold, or a QuantkitError names the module that blocks it."""
     skeleton = build_skeleton(source)
     matrices = rotations_for(config, skeleton.config)
     final_norm = get_module(skeleton, arch.final_norm_path)
@@ -82,3 +109,35 @@ def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: 
     check_foldable(block, arch)
     release_module(block)
     return JobRotation(config, matrices, arch, tied=head_is_tied(source, f"{arch.lm_head_path}.weight", weights))
+
+
+class _Hooks(Hooks):
+    def prepare(self, config: Any, job: JobView) -> JobRotation:
+        return job_rotation(config, job.source, job.arch, job.weights)
+
+    def outer_tensors(self, state: Any, job: JobView) -> dict[str, torch.Tensor]:
+        return state.outer_tensors(job.weights)
+
+    def first_input(
+        self, state: Any, outer: dict[str, torch.Tensor], input_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return state.embed_inputs(outer, input_ids, dtype)
+
+    def fold(self, state: Any, block: nn.Module) -> None:
+        state.fold(block)
+
+    def log(self, config: Any, state: Any) -> dict[str, Any]:
+        return {"rotation": state.log() | {"untied_head": state.head_name if state.tied else None}}
+
+
+ALGORITHM = register(
+    Algorithm(
+        name="rotation",
+        config=RotationConfig,
+        role=Role.ROTATION,
+        caps=Capabilities(needs_calibration=False, loads_float32=True, unties_head=True),
+        hooks=_Hooks(),
+        switch=Switch("field", field="kind", off=OFF),
+        summary="rotation: a randomized Hadamard rotation folded into the float weights (QuaRot-style)",
+    )
+)

@@ -10,7 +10,8 @@ Memory: the block works in place in the input buffer. Once o_proj's stage is don
 longer needed, so the residual stream ``h2`` overwrites it, and the output then overwrites ``h2``; with the
 attention context (freed after the gate/up stage), at most two activation buffers exist at once.
 
-With a ``spill`` file (:class:`quantkit.quantization.spill.SpillFile`), both go to disk instead, each written
+With a ``spill`` file (a :class:`Spill`; the quantizer's is :class:`quantkit.quantization.spill.SpillFile`),
+both go to disk instead, each written
 once and read back once: the attention context, from the o_proj stage to the gate/up stage (so one activation
 buffer stays in memory: 75 MB less at the peak on SmolLM2), and down_proj's inputs (the widest activations, 4x
 hidden size in float32), which the output pass then need not recompute: it costs one down_proj product per batch
@@ -26,6 +27,7 @@ down_proj.
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -33,7 +35,17 @@ from torch.nn import functional
 
 from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec
 from quantkit.model.blocks import BlockRunner, get_module, set_module
-from quantkit.quantization.spill import SpillFile
+
+
+class Spill(Protocol):
+    """Scratch storage for activations written once and read back once, in order (the quantizer's memory
+    strategy decides whether there is one, and where)."""
+
+    def rewind(self) -> None: ...
+
+    def write(self, tensor: torch.Tensor) -> None: ...
+
+    def read_back(self) -> Generator[torch.Tensor]: ...
 
 
 class StagedBlock:
@@ -43,7 +55,7 @@ class StagedBlock:
         arch: ArchSpec,
         runner: BlockRunner,
         hidden: torch.Tensor,
-        spill: SpillFile | None = None,
+        spill: Spill | None = None,
     ) -> None:
         self.block = block
         self.arch = arch

@@ -1,0 +1,96 @@
+"""GPTQ (Frantar et al., 2022): each stage's linears solved column by column against the Hessian of their inputs,
+the rounding error of each column spread over the columns not yet quantized. The math is
+:func:`quantkit.quantization.solvers.gptq.gptq_solve`; this module holds its options and its hook."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.quantization.methods.hooks import Hooks, Parking, Solved
+from quantkit.quantization.methods.records import LayerRecord
+from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.solvers.gptq import gptq_solve, hessian_weighted_error
+
+
+@dataclass
+class GPTQConfig:
+    damp: float = option(0.01, "GPTQ damping, as a fraction of the mean Hessian diagonal.", flag="--damp")
+    block_size: int = option(128, "GPTQ lazy-update block size.", flag="--block-size")
+    damp_retries: int = option(3, "Extra factorisation attempts, each with more damping.", cli=False)
+    damp_growth: float = option(10.0, "Damping multiplier between attempts.", cli=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.damp < 1:
+            raise QuantkitError(f"GPTQ damp must be in [0, 1), got {self.damp}")
+        if self.damp_growth <= 1 or self.damp_retries < 0:
+            raise QuantkitError(
+                f"invalid GPTQ damping (damp={self.damp}, growth={self.damp_growth}, retries={self.damp_retries}); "
+                "use damp >= 0, damp_growth > 1, damp_retries >= 0"
+            )
+        if self.block_size <= 0:
+            raise QuantkitError(f"GPTQ block size must be positive, got {self.block_size}")
+
+
+class _Hooks(Hooks):
+    def solve(
+        self,
+        config: Any,
+        weights: list[torch.Tensor],
+        hessian: torch.Tensor | None,
+        scheme: QuantScheme,
+        storage: torch.dtype,
+        names: list[str],
+        parking: Callable[[torch.Tensor], Parking] | None = None,
+    ) -> Solved:
+        """Linears that share an input (one Hessian): rows are independent given H, so solving the row-stacked
+        matrix once equals solving each linear alone, with one factorisation and one column sweep."""
+        assert hessian is not None, "GPTQ needs the stage's Hessian"
+        result = gptq_solve(  # the stacked copy is the solver's alone: it works in it and frees it early
+            torch.cat(weights).float(),
+            hessian,
+            scheme,
+            config,
+            scale_dtype=storage,
+            name=", ".join(names),
+            overwrite=True,
+            parking=parking,
+        )
+        out, start = [], 0
+        for w, name in zip(weights, names, strict=True):
+            rows = slice(start, start + w.shape[0])
+            start = rows.stop
+            qw = result.weight
+            part = QuantizedWeight(
+                qweight=qw.qweight[rows].contiguous(),
+                scale=qw.scale[rows].contiguous(),
+                zero=None if qw.zero is None else qw.zero[rows].contiguous(),
+                g_idx=qw.g_idx,
+                scheme=scheme,
+            )
+            loss = hessian_weighted_error(w, part.dequantize(), hessian)
+            out.append((part, LayerRecord(name, scheme.name, loss, result.damp, result.fell_back_to_rtn)))
+        return out
+
+
+ALGORITHM = register(
+    Algorithm(
+        name="gptq",
+        config=GPTQConfig,
+        role=Role.SOLVER,
+        caps=Capabilities(
+            needs_hessian=True,
+            records=(LayerRecord,),
+            # columns by descending Hessian diagonal in static groups, and a Hessian-weighted range search
+            scheme_defaults={"act_order": True, "mse_clip": True},
+        ),
+        hooks=_Hooks(),
+        switch=Switch("method"),
+        summary="GPTQ: each linear solved column by column against its inputs' Hessian",
+    )
+)

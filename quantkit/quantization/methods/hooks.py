@@ -1,0 +1,164 @@
+"""The hooks an algorithm gives the run, and the views of the run its hooks receive.
+
+An algorithm subclasses :class:`Hooks` and overrides the hooks of its role (:class:`~.registry.Role`); the
+others stay no-ops. The views are protocols: the block loop (``quantization/``) implements them, and the
+algorithms never import it, so the arrow runs one way (tests/test_import_rules.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
+from quantkit.model.architectures import ArchSpec, Stage
+from quantkit.model.blocks import BlockRunner
+from quantkit.model.source_weights import SourceWeights
+from quantkit.model.staged_block import StagedBlock
+
+BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
+Solved = list[tuple[QuantizedWeight, Any]]  # (quantized weight, its LayerRecord) per linear
+
+
+class Parking(Protocol):
+    """Hands a tensor's memory away while the solver does not read it (the run's memory strategy decides how)."""
+
+    def park(self) -> None: ...
+
+    def unpark(self) -> None: ...
+
+
+class JobView(Protocol):
+    """A run as its job-level hooks see it."""
+
+    model: str  # the model argument as given
+    source: Path  # the float model's directory
+    arch: ArchSpec
+    weights: SourceWeights
+    storage: torch.dtype
+    unties_head: bool  # an algorithm of the job gives the checkpoint a head of its own
+
+
+class WorkView(Protocol):
+    """The work directory as the hooks that run after the last block see it."""
+
+    path: Path
+
+    def load_hidden(self, device: torch.device | None = None) -> torch.Tensor: ...
+
+    def load_reference(self, device: torch.device | None = None) -> torch.Tensor | None: ...
+
+
+class BlockWork(Protocol):
+    """One block being quantized, as its hooks see it."""
+
+    block: nn.Module
+    prefix: str
+    schemes: BlockSchemes
+    arch: ArchSpec
+    storage: torch.dtype
+    runner: BlockRunner
+    hidden: torch.Tensor  # the block's calibration input (the solved output is later written over it)
+    float_input: torch.Tensor  # the float model's input to this block (``hidden`` when no stream is carried)
+    kept_input: torch.Tensor | None  # a copy of ``hidden`` for hooks that run the solved block again
+    weights: dict[str, QuantizedWeight]  # solved so far, by linear path relative to the block
+    output: torch.Tensor | None  # the solved block's output (after the stages)
+    reference_output: torch.Tensor | None  # the float block's output on ``float_input``
+
+    def write_back(self, name: str, weight: QuantizedWeight) -> None:
+        """The block computes with ``weight`` (dequantized) from now on."""
+        ...
+
+
+class Companion(Protocol):
+    """Runs beside the quantized block through its stages (a target algorithm's view of the float block)."""
+
+    def open_stage(self, staged: StagedBlock, stage: Stage, in_features: int) -> Iterator[torch.Tensor]:
+        """Start a stage; the returned iterator yields the companion's own inputs batch by batch."""
+        ...
+
+    def observe(self, staged: StagedBlock, stage: Stage, rows: slice, inputs: torch.Tensor, own: torch.Tensor) -> None:
+        """One mini-batch of the stage: the quantized block's ``inputs`` and the companion's ``own``."""
+        ...
+
+    def close_stage(self) -> Any:
+        """What the stage's targets need (handed to :meth:`Hooks.target_weights`)."""
+        ...
+
+    def float_output(self) -> torch.Tensor:
+        """The float block's output, once the last stage has run."""
+        ...
+
+
+class Hooks:
+    """No-op defaults; each algorithm overrides the hooks of its role."""
+
+    # -- job level: before the first block and after the last --
+    def prepare(self, config: Any, job: JobView) -> Any:
+        """Checks and job-wide state, before any work (returned state is handed to the hooks below)."""
+        return None
+
+    def outer_tensors(self, state: Any, job: JobView) -> dict[str, torch.Tensor]:
+        """Tensors outside the blocks that replace the source's, computed once at the start (kept for a resume)."""
+        return {}
+
+    def first_input(
+        self, state: Any, outer: dict[str, torch.Tensor], input_ids: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor | None:
+        """The first block's calibration input, when it is not the source's embedding of ``input_ids``."""
+        return None
+
+    def fold(self, state: Any, block: nn.Module) -> None:
+        """Rewrite a block's float weights as it is loaded, before anything else sees it."""
+
+    def final_tensors(
+        self, config: Any, job: JobView, work: WorkView, outer: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Tensors outside the blocks to write instead of ``outer``'s (or the source's), after the last block."""
+        return {}
+
+    def log(self, config: Any, state: Any) -> dict[str, Any]:
+        """Entries of the run log beyond the algorithm's options."""
+        return {}
+
+    # -- block level --
+    def transform(self, config: Any, work: BlockWork) -> list[Any]:
+        """Rewrite the float block in place on its calibration input; returns its records."""
+        return []
+
+    def solve(
+        self,
+        config: Any,
+        weights: list[torch.Tensor],
+        hessian: torch.Tensor | None,
+        scheme: QuantScheme,
+        storage: torch.dtype,
+        names: list[str],
+        parking: Parking | None = None,
+    ) -> Solved:
+        """Linears that share one input and one scheme -> a quantized weight and a record each (solvers only)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a weight solver")
+
+    def companion(self, config: Any, work: BlockWork) -> Companion | None:
+        """What runs beside the quantized block through its stages (target algorithms)."""
+        return None
+
+    def target_weights(
+        self,
+        config: Any,
+        solver: Any,
+        names: list[str],
+        weights: list[torch.Tensor],
+        hessian: torch.Tensor,
+        stage_data: Any,
+    ) -> list[torch.Tensor]:
+        """The weights the solver fits instead of the linears' own (``stage_data``: the companion's)."""
+        return weights
+
+    def tune(self, config: Any, work: BlockWork) -> list[Any]:
+        """Adjust the solved block (its weights and output) in place; returns its records."""
+        return []

@@ -1,0 +1,107 @@
+"""The outermost middleware: 503 while draining, 401 without the API key, the request body read whole under a size
+and a time limit (413 / 408) before anything parses it, and every request counted by route and status."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from quantkit.server.protocol import APIError
+from quantkit.server.state import ServerState
+
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")  # counted by name
+
+
+class Gate:
+    def __init__(self, app: ASGIApp, state: ServerState) -> None:
+        self.app, self.state = app, state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path: str = scope["path"]
+        status = 500  # an exception escaping the app becomes a 500
+
+        async def counted(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            error = self._refuse(scope, path)
+            if error is None and scope.get("method") in ("POST", "PUT", "PATCH"):
+                body = await read_body(scope, receive, self.state.max_body_bytes, self.state.body_timeout)
+                if isinstance(body, APIError):
+                    error = body
+                else:
+                    receive = _replay(body, receive)
+            if error is None:
+                await self.app(scope, receive, counted)
+            else:
+                headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+                await JSONResponse(error.body(), error.status, headers)(scope, receive, counted)
+        finally:
+            self.state.metrics.count_request(path if path in ROUTES else "other", status)
+
+    def _refuse(self, scope: Scope, path: str) -> APIError | None:
+        key = self.state.api_key
+        if key is not None and path != "/health":
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            # the scheme is case-insensitive (RFC 9110); the key is compared as the UTF-8 bytes sent
+            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())):
+                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        if self.state.draining and path.startswith("/v1/"):
+            return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
+        return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes | APIError:
+    """The whole request body, or a 413 error as soon as it is known to exceed ``limit`` bytes: from its
+    Content-Length before anything is read, else once the bytes read pass it (nothing is parsed before); a 408
+    error when the whole body has not arrived within ``timeout`` seconds (a slow client holds no connection)."""
+    too_big = APIError(
+        413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
+        param=None, code="request_too_large",
+    )  # fmt: skip
+    length = dict(scope["headers"]).get(b"content-length", b"")
+    if length.strip().isdigit() and int(length) > limit:
+        return too_big
+    chunks: list[bytes] = []
+    size = 0
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+        except TimeoutError:
+            return APIError(
+                408, f"the request body did not arrive within {timeout:g} s (the server's --body-timeout)",
+                param=None, code="request_timeout",
+            )  # fmt: skip
+        if message["type"] != "http.request":  # the client left: the app sees an empty body and its disconnect
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return too_big
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """``receive`` for the app: the body already read, then the connection's own messages (disconnect)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay

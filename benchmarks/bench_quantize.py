@@ -26,6 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from benchmarks.record import record_table
 from quantkit.eval.evaluate import EvalConfig, evaluate
 from quantkit.format.inspect import inspect_checkpoint
 from quantkit.quantization.config import QuantizeConfig
@@ -176,11 +177,16 @@ def main() -> None:
     parser.add_argument(
         "--float-targets", action="store_true", help="calibration: rotated, float targets, head refitted, 256 windows"
     )
-    parser.add_argument("--only", default=None, help="comma list of scheme names, e.g. w4-g64-sym,w8-ch-sym")
+    parser.add_argument(
+        "--only", default=None, help="comma list of scheme names or method:scheme, e.g. w8-ch-sym,rtn:w4-g64-sym"
+    )
     parser.add_argument("--samples", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--eval-windows", type=int, default=40)
     parser.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
+    parser.add_argument("--record", default=None, help="record the table as benchmarks/results/NAME.json")
+    parser.add_argument("--title", default=None, help="the recorded table's title")
+    parser.add_argument("--order", type=int, default=10, help="the recorded table's place on the page")
     args = parser.parse_args()
     methods = args.methods.split(",")
     if args.matrix == "methods":
@@ -191,7 +197,7 @@ def main() -> None:
         cases = calibration(args.tune_steps, rotate=not args.no_rotate, float_targets=args.float_targets)
     if args.only:
         wanted = set(args.only.split(","))
-        cases = [c for c in cases if c.scheme in wanted]
+        cases = [c for c in cases if c.scheme in wanted or f"{c.method}:{c.scheme}" in wanted]
     console = Console(width=max(Console().width, 140))  # wide tables stay readable in logs
     base = evaluate(args.model, EvalConfig(max_windows=args.eval_windows, show_progress=False))
     rows = []
@@ -220,49 +226,48 @@ def main() -> None:
             console.print(f"  ppl {r['perplexity']:.3f}, KL {r['kl_mean']:.4f}, {r['seconds']:.0f} s")
             if args.json:
                 args.json.write_text(json.dumps({"baseline_perplexity": base.perplexity, "rows": rows}, indent=2))
-    rtn = {r["storage"]: r["perplexity"] for r in rows if r["method"] == "rtn" and r["scheme"] == r["storage"]}
-    table = Table(
-        title=f"Quantization on {args.model}: {args.samples} x {args.seq_len} calibration windows, "
-        f"{base.tokens} held-out tokens (baseline perplexity {base.perplexity:.3f})"
-    )
-    for col in (
-        "method",
-        "scheme",
-        "time s",
-        "peak RSS MB",
-        "size MB",
-        "bits/w",
-        "ppl",
-        "ppl +%",
-        "KL mean",
-        "KL p99",
-        "top-1",
-        "RTN gap closed",
-    ):
-        table.add_column(col, justify="right")
-    table.add_row("original", "bf16", "-", "-", "-", "16", f"{base.perplexity:.3f}", "0", "0", "0", "1", "-")
-    for r in rows:
-        gap = rtn.get(r["storage"])
-        closed = "-"
-        if r["method"] != "rtn" and gap is not None and gap > base.perplexity:
-            closed = f"{(gap - r['perplexity']) / (gap - base.perplexity):.0%}"
-        table.add_row(
+    columns = ["method", "scheme", "time s", "peak RSS MB", "size MB", "bits/w", "ppl", "ppl +%", "KL mean"]
+    columns += ["KL p99", "top-1"]
+    cells = [
+        [
             r["method"],
             r["scheme"],
             f"{r['seconds']:.0f}",
             f"{r['peak_rss_mb']:.0f}",
             f"{r['size_mb']:.1f}",
             f"{r['model_bits_per_weight']:.2f}",
-            f"{r['perplexity']:.3f}",
-            f"{100 * (r['perplexity'] / base.perplexity - 1):.2f}",
-            f"{r['kl_mean']:.4f}",
-            f"{r['kl_p99']:.3f}",
+            f"{r['perplexity']:.2f}",
+            f"{100 * (r['perplexity'] / base.perplexity - 1):+.1f}%",
+            f"{r['kl_mean']:.3f}",
+            f"{r['kl_p99']:.2f}",
             f"{r['top1']:.3f}",
-            closed,
-        )
+        ]
+        for r in rows
+    ]
+    table = Table(
+        title=f"Quantization on {args.model}: {args.samples} x {args.seq_len} calibration windows, "
+        f"{base.tokens} held-out tokens (baseline perplexity {base.perplexity:.3f})"
+    )
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in cells:
+        table.add_row(*row)
     console.print(table)
     if args.json:
         args.json.write_text(json.dumps({"baseline_perplexity": base.perplexity, "rows": rows}, indent=2))
+    if args.record:
+        windows = f"{base.windows} held-out windows of {EvalConfig.seq_len} tokens"
+        record_table(
+            args.record,
+            title=args.title or f"Quantization methods on {args.model}",
+            order=args.order,
+            protocol=f"Calibration: {args.samples} x {args.seq_len} windows of the shipped Austen corpus (seed 0), "
+            f"unless a row names its own text or count; each row quantized in its own process, one after the "
+            f"other; evaluation: {windows} ({base.tokens} tokens).",
+            baseline=f"the original model's perplexity {base.perplexity:.2f}",
+            columns=columns,
+            rows=cells,
+        )
 
 
 if __name__ == "__main__":

@@ -1,12 +1,11 @@
 """Handing freed heap memory back to the operating system between blocks and between a block's stages;
 measuring the process's peak resident set.
 
-glibc keeps freed medium-sized allocations (weights, mini-batch activations) in its arenas; over thirty blocks
-of differently shaped tensors that fragmentation grows the resident set by ~15 MB per block. ``malloc_trim``
-once per block returns it (measured on SmolLM2: the steady-state RSS between blocks stays flat instead of
-growing from 0.9 to 1.4 GB). Inside a block, the freed mini-batch temporaries of one stage would otherwise stay
-resident through the solve and the next stage: trimming after each stage lowered the peak over ten SmolLM2
-blocks from 809 to 755 MB, for ~0.15 s of extra page faults per block. Elsewhere (macOS, musl) this is a no-op.
+glibc keeps freed medium-sized allocations (weights, mini-batch activations) in its arenas; over many blocks of
+differently shaped tensors that fragmentation grows the resident set block after block. ``malloc_trim`` once per
+block returns it, so the resident set between blocks stays flat. Inside a block, the freed mini-batch temporaries
+of one stage would otherwise stay resident through the solve and the next stage, so trimming after each stage
+lowers the block's peak, at the cost of faulting those pages in again. Elsewhere (macOS, musl) this is a no-op.
 """
 
 from __future__ import annotations
@@ -41,11 +40,11 @@ def map_large_allocations() -> None:
     """Serve every allocation of ``MMAP_THRESHOLD_BYTES`` or more from its own mapping, returned to the OS when
     freed, and cap glibc's arenas at ``ARENA_MAX`` (``mallopt``; a no-op elsewhere).
 
-    glibc's default threshold grows to 32 MB as large blocks are freed, so a 1B model's [2048, 2048] weights and
-    [rows, 2048] activations (17 MB) then come from the heap, where freed ones stay resident until the next trim.
-    GPTQ of a Llama-3.2-1B-shape model (16 x 512 calibration) peaked at 1395 MB of anonymous memory with the
-    defaults and at 1190 MB with an 8 MB threshold (under a 1483 MB cgroup cap). 1 MB did better still on memory
-    but cost SmolLM2's GPTQ 13% of its time in page faults; at 8 MB its time is unchanged. Outputs are unchanged:
+    glibc's default threshold grows to 32 MB as large blocks are freed, so a 1B model's [2048, 2048] float32
+    weights (17 MB) and [rows, 2048] activations then come from the heap, where freed ones stay resident until the
+    next trim. With their own mappings they go back to the OS when freed, which is what lets GPTQ of a 1B-shape
+    model fit under a RAM cap; a lower threshold saves a little more memory but spends the time in page faults
+    (the figures are in docs/benchmarks.md, the 1B-shape run under a RAM cap). Outputs are unchanged:
     this is where memory comes from, not what is computed.
     """
     mallopt = _libc_function("mallopt")
@@ -59,11 +58,10 @@ def keep_freed_memory_for_reuse() -> None:
     """The serving engine's policy: keep freed allocations below ``SERVING_MMAP_THRESHOLD_BYTES`` in the heap
     and return its free top to the OS only past ``SERVING_TRIM_THRESHOLD_BYTES`` (``mallopt``; a no-op elsewhere).
 
-    Every decode step allocates and frees the same few-MB temporaries thirty times (gathered KV pages, MLP
+    Every decode step allocates and frees the same few-MB temporaries once per layer (gathered KV pages, MLP
     activations, logits); with glibc's defaults the heap's free top is trimmed and faulted back in over and over.
-    On SmolLM2's 32-request bench (2-core CPU, medians of 3 alternated runs) this raised output tokens/s from
-    136.9 to 145.5 with the float cache and from 128.5 to 135.2 with the int8 cache, for ~170 MB more peak RSS
-    (1.49 -> 1.67 GB): the freed temporaries stay resident for the next step.
+    Keeping them trades some peak RSS (the freed temporaries stay resident for the next step) for throughput; the
+    bench figures are in docs/benchmarks.md.
     Quantization sets its own policy (:func:`map_large_allocations`), so the two never mix within a command.
     """
     mallopt = _libc_function("mallopt")
@@ -85,7 +83,8 @@ def peak_rss_mb() -> float:
 
     On Linux, ``VmHWM`` of ``/proc/self/status``: ``ru_maxrss`` also counts the peak of the process this one
     was forked from, since the kernel carries the old address space's high-water mark over ``exec`` (a
-    quantize started by a 1.9 GB benchmark process reported 1.9 GB). Elsewhere ``ru_maxrss`` (bytes on macOS).
+    quantize started by a large benchmark process would report the benchmark's peak). Elsewhere ``ru_maxrss``
+    (bytes on macOS).
     """
     try:
         with open("/proc/self/status") as status:

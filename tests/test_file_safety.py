@@ -85,3 +85,8 @@ def test_plan_and_measurement_files_are_flushed_before_the_rename(tmp_path: Path
     assert json.loads((tmp_path / "m.json").read_text())["model"] == "m"
     assert len(flushed) >= 2  # the file, then its directory
     assert [p.name for p in tmp_path.iterdir()] == ["m.json"]
+    from quantkit.mixed.plan_file import PlanRule, PlanRules, save_plan
+
+    flushed.clear()
+    save_plan(PlanRules(model="m", rules=[PlanRule("model.layers.0.mlp.down_proj", "int8")]), tmp_path / "p.yaml")
+    assert len(flushed) >= 2 and sorted(p.name for p in tmp_path.iterdir()) == ["m.json", "p.yaml"]

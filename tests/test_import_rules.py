@@ -46,17 +46,8 @@ ALLOWED: dict[str, set[str]] = {
         "model",
         "format",
     },
-    "mixed": {
-        "quantization",
-        "quantization.methods",
-        "quantization.solvers",
-        "quantization.statistics",
-        "data",
-        "model",
-        "format",
-        "eval",
-        "schemas",
-    },
+    "mixed": {"quantization", "quantization.methods", "quantization.solvers", "quantization.statistics"}
+    | {"data", "model", "format", "eval", "schemas"},
     "recipes": {
         "rotation",
         "export",

@@ -6,7 +6,7 @@ quantkit's groups:
 - ``Q4_0`` (symmetric int4): ``d = scale``, nibble ``q + 8``; ``w = (nibble - 8) * d``, bit-exact.
 - ``Q8_0`` (symmetric int8): ``d = scale``, ``q`` as is; ``w = q * d``, bit-exact.
 - ``Q4_1`` (asymmetric int4): ``d = scale``, ``m = -scale * (zero + 8)`` rounded to fp16, nibble ``q + 8``;
-  ``w = nibble * d + m`` differs from ``(q - zero) * scale`` where ``m``'s rounding shows (measured, in notes).
+  ``w = nibble * d + m`` differs from ``(q - zero) * scale`` where ``m``'s rounding shows (counted in the notes).
 
 A group of 64 or 128 repeats its scale over its 32-blocks; per-channel repeats it along the row.
 """

@@ -29,9 +29,9 @@ FALLBACK_GROUP_SIZES = (128, 64, 32)  # the group sizes every engine's kernels t
 STRICT, FALLBACK, QUANTKIT_ONLY = "strict", "fallback", "quantkit-only"
 LAYOUT_POLICIES = (STRICT, FALLBACK, QUANTKIT_ONLY)
 LAYOUT_POLICY_HELP = (
-    "strict: refuse layouts compressed-tensors, transformers or vLLM would refuse (the default); fallback: a smaller "
-    "group size on the layers whose in-features the group size does not divide (g128 -> g64 -> g32 -> channel); "
-    "quantkit-only: write short last groups and dynamic act-order groups, which only quantkit reads"
+    "fallback: a smaller group size on the layers whose in-features the group size does not divide (g128 -> g64 "
+    "-> g32 -> channel), said in one line; strict: refuse layouts compressed-tensors, transformers or vLLM would "
+    "refuse; quantkit-only: write short last groups and dynamic act-order groups, which only quantkit reads."
 )
 
 DENSE_PACKING_SINCE = "0.18"  # compressed-tensors packs 3/5/6/7-bit values densely (as quantkit) from 0.18 on

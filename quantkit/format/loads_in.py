@@ -11,6 +11,7 @@ from quantkit.format.engines import (
     HOPPER,
     TRANSFORMERS_BROKEN,
     TRANSFORMERS_RANGE,
+    VLLM_VERSION,
     Support,
     gguf_type,
     gptq_support,
@@ -38,8 +39,12 @@ class LayerShape:
 
 _ENGINES: dict[str, Callable[[LayerShape], Support]] = {
     "transformers": lambda s: transformers_support(s.scheme, s.in_features),
-    f"vLLM, Hopper (sm{HOPPER})": lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, HOPPER),
-    f"vLLM, Ampere (sm{AMPERE})": lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, AMPERE),
+    f"vLLM, Hopper (sm{HOPPER}; predicted from vLLM {VLLM_VERSION} source)": lambda s: vllm_kernel(
+        s.scheme, s.out_features, s.in_features, HOPPER
+    ),
+    f"vLLM, Ampere (sm{AMPERE}; predicted from vLLM {VLLM_VERSION} source)": lambda s: vllm_kernel(
+        s.scheme, s.out_features, s.in_features, AMPERE
+    ),
     "GPTQ v1 (quantkit export)": lambda s: gptq_support(s.scheme, s.in_features),
     "GGUF (quantkit export)": lambda s: gguf_type(s.scheme, s.in_features),
 }

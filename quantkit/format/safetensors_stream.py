@@ -1,8 +1,8 @@
 """Safetensors files written tensor by tensor, byte for byte what ``safetensors.torch.save_file`` writes, from
 tensors in memory or from byte ranges of other safetensors files, which are copied in chunks and never loaded.
 
-``save_file`` needs every tensor of a file in memory at once: a 1 GB checkpoint shard held 1 GB, and a 128k-row
-embedding copied from the source model was read (mapped) and cloned first. Here a :class:`StoredTensor` names where
+``save_file`` needs every tensor of a file in memory at once: a checkpoint shard is held whole, and a 128k-row
+embedding copied from the source model is read (mapped) and cloned first. Here a :class:`StoredTensor` names where
 a tensor's bytes are, and :func:`write_safetensors` streams them.
 
 The layout (the public safetensors format, as the library lays it out; tests compare with ``save_file``): an

@@ -18,10 +18,10 @@
 
 Both rules keep at least one optimal solution at every stage, so the minimum over the final states is
 optimal (up to float rounding of summed errors; a relative tolerance keeps near-ties instead of pruning).
-Measured errors fall steeply and irregularly with bits, so the LP bound is tight and a few hundred units
-plan in milliseconds. Only adversarial inputs (errors exactly proportional to costs: subset sum) leave the
-bound unable to prune; the search then stops at ``MAX_STATES`` with a QuantkitError rather than run out
-of memory; it never returns a non-optimal plan.
+Measured errors fall steeply and irregularly with bits, so the LP bound is tight and the search stays small.
+Only adversarial inputs (errors exactly proportional to costs: subset sum) leave the bound unable to prune; the
+search then stops at ``MAX_STATES`` with a QuantkitError rather than run out of memory; it never returns a
+non-optimal plan.
 """
 
 from __future__ import annotations

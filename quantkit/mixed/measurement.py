@@ -31,8 +31,8 @@ FORMAT = "quantkit-measurement"
 VERSION = 1
 MODES = ("proxy", "kl", "hybrid")
 # The default mode of `quantkit sensitivity`, the Python API and recipes (SensitivityConfig.mode): hybrid plans beat
-# the best fitting uniform scheme at every budget measured on SmolLM2 (3.5 to 8.1 bits per weight); proxy plans
-# lost to uniform schemes below about 5 bits per weight, at about half hybrid's measuring time.
+# the best fitting uniform scheme at every budget of the sweep, while proxy plans, quicker to measure, lose to
+# uniform schemes at low budgets (the sweep is in docs/benchmarks.md, "Mixed precision").
 DEFAULT_MODE = "hybrid"
 MODE_HELP = (
     "hybrid (default: the proxy rescaled per unit to one measured KL; its plans beat uniform schemes), "

@@ -23,7 +23,6 @@ Saving, loading and saving again gives the same text. :class:`PlanFile` is the f
 from __future__ import annotations
 
 import difflib
-import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import yaml
 from pydantic import AfterValidator, Field
 
+from quantkit.atomic import write_text
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.sizes import format_mb, mb_number
@@ -159,15 +159,9 @@ def dump_plan(plan: Plan | PlanRules) -> str:
 
 
 def save_plan(plan: Plan | PlanRules, path: Path) -> Path:
-    """Write the plan YAML atomically (temp file in the same directory, then rename)."""
+    """Write the plan YAML atomically (:func:`quantkit.atomic.write_text`: flushed before the rename)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(dump_plan(plan))
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    write_text(path, dump_plan(plan))
     return path
 
 

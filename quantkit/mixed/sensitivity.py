@@ -12,7 +12,8 @@ model's (each unit is measured alone). Modes:
   gain differ); one KL forward per unit makes it so.
 
 ``proxy`` is the fast option (no full-model forward, the float model is never held whole); its plans rank a
-layer's own candidates but lose to uniform schemes below about 5 bits per weight.
+layer's own candidates but lose to uniform schemes at low budgets, since its errors do not compare across layers
+(the sweep is in docs/benchmarks.md, "Mixed precision").
 """
 
 from __future__ import annotations

@@ -11,13 +11,12 @@ longer needed, so the residual stream ``h2`` overwrites it, and the output then 
 attention context (freed after the gate/up stage), at most two activation buffers exist at once.
 
 With a ``spill`` file (a :class:`Spill`; the quantizer's is :class:`quantkit.quantization.spill.SpillFile`),
-both go to disk instead, each written
-once and read back once: the attention context, from the o_proj stage to the gate/up stage (so one activation
-buffer stays in memory: 75 MB less at the peak on SmolLM2), and down_proj's inputs (the widest activations, 4x
-hidden size in float32), which the output pass then need not recompute: it costs one down_proj product per batch
-instead of the whole MLP (gate/up are two thirds of its work). The file lives in the page cache, not in the
-process's resident set, and is overwritten from stage to stage and block to block; the output is bit-identical
-either way.
+both go to disk instead, each written once and read back once: the attention context, from the o_proj stage to
+the gate/up stage (so one activation buffer stays out of memory at the peak), and down_proj's inputs (the widest
+activations: the intermediate size, in float32), which the output pass then need not recompute: it costs one
+down_proj product per batch instead of the whole MLP (gate/up are two thirds of its work). The file lives in the
+page cache, not in the process's resident set, and is overwritten from stage to stage and block to block; the
+output is bit-identical either way.
 
 Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
 ``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in

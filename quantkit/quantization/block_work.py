@@ -1,5 +1,6 @@
-"""What quantizing a block needs: the run-wide things (:class:`BlockRun`, the same for every block) and one block's
-work in progress (:class:`BlockWork`, what the algorithms' hooks read and write)."""
+"""What quantizing a block needs besides the block's own work in progress
+(:class:`quantkit.quantization.methods.hooks.BlockWork`): the run-wide things, the same for every block, and what
+a block's quantization returns."""
 
 from __future__ import annotations
 
@@ -7,14 +8,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.model.architectures import ArchSpec
-from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.model.blocks import BlockRunner
 from quantkit.quantization.memory_strategy import MemoryStrategy
 from quantkit.quantization.methods.composition import JobSteps
-from quantkit.quantization.methods.hooks import BlockSchemes
 
 
 @dataclass(slots=True)
@@ -26,29 +25,6 @@ class BlockRun:
     storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
     runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
     memory: MemoryStrategy = field(default_factory=MemoryStrategy)
-
-
-@dataclass(slots=True)
-class BlockWork:
-    """One block being quantized (:class:`quantkit.quantization.methods.hooks.BlockWork` is its view)."""
-
-    block: nn.Module
-    prefix: str
-    schemes: BlockSchemes
-    arch: ArchSpec
-    storage: torch.dtype
-    runner: BlockRunner
-    hidden: torch.Tensor
-    float_input: torch.Tensor
-    kept_input: torch.Tensor | None = None
-    weights: dict[str, QuantizedWeight] = field(default_factory=dict)
-    records: list[Any] = field(default_factory=list)
-    output: torch.Tensor | None = None
-    reference_output: torch.Tensor | None = None
-
-    def write_back(self, name: str, weight: QuantizedWeight) -> None:
-        """The float block now computes with the quantized weight (later stages see its output)."""
-        get_module(self.block, name).weight.data = weight.dequantize(torch.float32)
 
 
 @dataclass(slots=True)

@@ -177,3 +177,12 @@ def options_to_args(values: dict[str, Any]) -> list[str]:
         elif value is not None:
             args += [flag, str(value)]
     return args
+
+
+def options_markdown() -> str:
+    """The job's options as a markdown table (docs/cli.md carries it; a test checks the page against this)."""
+    lines = ["| option | default | what it sets |", "|---|---|---|"]
+    for option in job_options():
+        default = "-" if option.default is None else f"`{option.default}`"
+        lines.append(f"| `{' / '.join(option.flags)}` | {default} | {option.help} |")
+    return "\n".join(lines)

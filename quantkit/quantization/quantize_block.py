@@ -15,8 +15,8 @@ from quantkit.memory import release_freed_memory
 from quantkit.model.blocks import get_module
 from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians
-from quantkit.quantization.block_work import BlockRun, BlockWork, QuantizedBlock
-from quantkit.quantization.methods.hooks import BlockSchemes
+from quantkit.quantization.block_work import BlockRun, QuantizedBlock
+from quantkit.quantization.methods.hooks import BlockSchemes, BlockWork, SolveJob
 from quantkit.quantization.methods.registry import Role
 
 
@@ -73,12 +73,13 @@ def _solve_stages(work: BlockWork, run: BlockRun, staged: StagedBlock, companion
         run.memory.before_stage(stage, staged, work.weights, keep_dense)
         for names, scheme in _same_scheme_runs(stage.linears, work.schemes):
             weights = [get_module(work.block, name).weight.data for name in names]
+            job = SolveJob(work.prefix, names, weights, hessian, scheme, run.storage, run.memory.parking)
             if hessian is not None:
                 for step, data in zip(targets, stage_data, strict=True):
-                    weights = step.hooks.target_weights(step.config, solver.config, names, weights, hessian, data)
-            fulls = [f"{work.prefix}.{name}" for name in names]
-            solved = solver.hooks.solve(solver.config, weights, hessian, scheme, run.storage, fulls, run.memory.parking)
+                    job.weights = step.hooks.target_weights(step.config, solver.config, job, data)
             del weights
+            solved = solver.hooks.solve(solver.config, job)
+            del job
             for name, (weight, record) in zip(names, solved, strict=True):
                 work.write_back(name, weight)
                 work.weights[name] = weight
@@ -94,8 +95,8 @@ def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, ru
     for name, scheme in schemes.items():
         if scheme is not None:
             stored = get_module(block, name).weight.data
-            full = [f"{prefix}.{name}"]
-            ((weight, record),) = solver.hooks.solve(solver.config, [stored], None, scheme, run.storage, full)
+            job = SolveJob(prefix, [name], [stored], None, scheme, run.storage)
+            ((weight, record),) = solver.hooks.solve(solver.config, job)
             out.weights[name] = weight
             out.records.append(record)
     return out

@@ -11,18 +11,16 @@ from pathlib import Path
 from rich.console import Console
 
 from quantkit.quantization.output_lock import output_lock
+from quantkit.recipes.quantize_stages import check_layouts, export_stage, quantize_stage
 from quantkit.recipes.report import RecipeReport, check_gates, environment, write_report
 from quantkit.recipes.schema import Recipe, recipe_secrets, recipe_to_dict
 from quantkit.recipes.stages import (
     RecipeRun,
     calibration_stage,
-    check_layouts,
     evaluate_stages,
-    export_stage,
     mixed_stages,
     model_stage,
     preflight,
-    quantize_stage,
     smoke_stage,
 )
 

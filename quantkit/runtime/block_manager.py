@@ -2,7 +2,9 @@
 
 Prefix caching: once every token of a FULL block has its KV computed, the block is registered under a
 chained hash ``blake2b(previous block's hash || this block's token ids)``, so a hash names the whole
-prefix up to and including that block. A later sequence whose leading full blocks hash the same
+prefix up to and including that block. A sequence's ``cache_salt`` (vLLM's) is mixed into its first block's hash,
+so the whole chain: requests with different salts never share blocks, and the time to first token of one tenant's
+request tells nothing about another tenant's prompts. A later sequence whose leading full blocks hash the same
 (and whose token ids compare equal: no false sharing on a collision) reuses those blocks with a
 reference count > 1. Blocks are registered only once their KV is *computed* (``cache_computed_blocks``,
 called by the scheduler after each step), never at allocation: a chunked prefill must not hand out
@@ -31,11 +33,13 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime.sequence import Sequence
 
 
-def block_hash(prev_hash: bytes | None, token_ids: list[int]) -> bytes:
-    """Stable chained hash of one full block (the same across processes and runs)."""
+def block_hash(prev_hash: bytes | None, token_ids: list[int], salt: bytes | None = None) -> bytes:
+    """Stable chained hash of one full block (the same across processes and runs); ``salt`` for the first block."""
     h = hashlib.blake2b(digest_size=16)
     if prev_hash is not None:
         h.update(prev_hash)
+    elif salt:
+        h.update(b"salt" + struct.pack("<q", len(salt)) + salt)  # length-prefixed: no salt/token ambiguity
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
 
@@ -90,7 +94,7 @@ class BlockManager:
         prev: bytes | None = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             tokens = seq.block(i, self.block_size)
-            prev = block_hash(prev, tokens)
+            prev = block_hash(prev, tokens, seq.cache_salt)
             block_id = self._hash_to_block.get(prev)
             if block_id is None or self.blocks[block_id].token_ids != tuple(tokens):
                 break
@@ -164,7 +168,7 @@ class BlockManager:
             prev = self.blocks[seq.block_table[i - 1]].hash if i > 0 else None
             tokens = seq.block(i, self.block_size)
             block = self.blocks[seq.block_table[i]]
-            block.hash = block_hash(prev, tokens)
+            block.hash = block_hash(prev, tokens, seq.cache_salt)
             block.token_ids = tuple(tokens)
             self._register(block)
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, num_full)

@@ -53,14 +53,16 @@ class Detokenizer:
         self._checked = 0  # length of the text already searched for stop strings (before any cut)
         self._sent = 0  # length of the text already returned in deltas
 
-    def update(self, token_ids: Sequence[int], finished: bool = False) -> Detokenized:
-        """Decode ``token_ids`` (the whole completion so far); ``finished``: no more tokens will come."""
+    def update(self, token_ids: Sequence[int], finished: bool = False, search: bool = True) -> Detokenized:
+        """Decode ``token_ids`` (the whole completion so far); ``finished``: no more tokens will come; ``search``
+        False: stop strings are not looked for in this update's new text (vLLM's ``min_tokens``: a stop string that
+        ends before the minimum is reached never stops the request)."""
         if self.stopped:
             return Detokenized(self.text, "", True)
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
         if self.stop:
             start = max(0, self._checked - self._longest + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0] if search else []
             self._checked = len(text.rstrip(_INCOMPLETE))  # a half-decoded character is searched again
             if hits:
                 text, self.stopped = text[: min(hits)], True

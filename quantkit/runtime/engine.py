@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from quantkit.runtime.config import EngineConfig
 from quantkit.runtime.model import ModelConfig, load_model, read_generation_eos
 from quantkit.runtime.model_runner import ModelRunner, kv_bytes_per_block
 from quantkit.runtime.output_processor import OutputProcessor, RequestOutput
+from quantkit.runtime.request_checks import check_sampling_ids, prompt_token_ids
 from quantkit.runtime.sampler import Sampler
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -39,6 +39,7 @@ from quantkit.runtime.speculative.draft_model import Draft, DraftModel
 from quantkit.runtime.speculative.speculator import Speculator
 from quantkit.runtime.speculative.stats import SpeculationStats
 from quantkit.runtime.step_profile import StepProfile
+from quantkit.runtime.step_sampling import StepSampler
 
 __all__ = ["Engine", "RequestOutput"]
 
@@ -81,10 +82,14 @@ class Engine:
         self.device = device
         self.speculator = self._speculator(cfg, backend, num_blocks, dtype, device)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.step_sampler = StepSampler(self.sampler, self.output_processor, self.scheduler, self.speculator)
         self.profile = StepProfile()
         self._ids = itertools.count()
         self._idle_steps = 0
         self.num_preemptions = 0  # sequences sent back to waiting so far (metrics)
+        self.num_failed_requests = 0  # requests finished with an error by a step (metrics)
+        self.num_failed_steps = 0  # steps in which every request failed
+        self.consecutive_failed_steps = 0  # reset by a step in which some request succeeded (health)
 
     def _speculator(
         self, cfg: EngineConfig, backend: AttentionBackend, num_blocks: int, dtype: torch.dtype, device: torch.device
@@ -123,16 +128,30 @@ class Engine:
 
     # ----------------------------------------------------------------- requests
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        tenant: str = "",
+        cache_salt: bytes | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ``QuantkitError`` (and queues nothing) for a bad request."""
+        """Queue a request; returns its id. Raises ``QuantkitError`` (and queues nothing) for a bad request.
+
+        ``priority``: lower is admitted first among ``tenant``'s waiting requests, ties by arrival; ``tenant``: who
+        sent it, the waiting queue is shared fairly between tenants (:mod:`quantkit.runtime.waiting_queue`);
+        ``cache_salt``: only requests with the same salt share prefix-cache blocks."""
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor:
             raise QuantkitError(f"request id {request_id!r} is already in use")
         params = dataclasses.replace(params) if params is not None else SamplingParams()  # own copy, re-validated
         if params.stop and self.tokenizer is None:
             raise QuantkitError(f"stop strings need a tokenizer and {self.path} has none; use stop_token_ids")
-        seq = Sequence(self.encode(prompt), params)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise QuantkitError(f"priority={priority!r} is invalid; use an integer (lower runs first)")
+        check_sampling_ids(params, self.model.config.vocab_size)
+        seq = Sequence(self.encode(prompt), params, priority=priority, tenant=tenant, cache_salt=cache_salt)
         self.scheduler.add(seq)  # raises for a prompt too long or a request that can never fit
         gen = torch.Generator(self.device).manual_seed(params.seed) if params.seed is not None else None
         self.output_processor.add(request_id, seq, prompt, gen)
@@ -143,17 +162,7 @@ class Engine:
             if self.tokenizer is None:
                 raise QuantkitError(f"{self.path} has no tokenizer; pass the prompt as a list of token ids")
             return list(self.tokenizer(prompt).input_ids)
-        vocab = self.model.config.vocab_size
-        try:  # any integer-like ids (numpy, 0-d tensors); bools and floats are refused
-            ids = [operator.index(t) for t in prompt if not isinstance(t, bool)]
-            if len(ids) != len(prompt):
-                raise TypeError
-        except TypeError:
-            raise QuantkitError("a prompt must be a string or a list of integer token ids") from None
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise QuantkitError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        return ids
+        return prompt_token_ids(prompt, self.model.config.vocab_size)
 
     def abort(self, request_id: str) -> bool:
         """Cancel a request; False when it is unknown or already finished."""
@@ -169,7 +178,11 @@ class Engine:
 
     # ----------------------------------------------------------------- step
     def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that got a token (or finished) in it."""
+        """Run one batch; returns an output for every request that got a token (or finished) in it.
+
+        A failure fails only the requests it concerns: a request that cannot be sampled fails alone, a batch whose
+        forward pass raised fails its own requests; the engine keeps serving (``consecutive_failed_steps`` counts
+        steps in which every request failed, for health checks)."""
         with self.profile.stage("schedule"):
             out = self.scheduler.schedule()
         if out.is_empty:
@@ -178,15 +191,29 @@ class Engine:
         self.profile.steps += 1
         self._idle_steps = 0
         self.num_preemptions += len(out.preempted)
+        self.output_processor.mark_scheduled(out.seqs)
         try:
-            tokens = self._run(out)
-        except Exception as exc:  # a failed batch fails its own requests, not the engine
-            return self._fail(out.seqs, exc)
+            tokens, failed = self._run(out)
+        except Exception as exc:
+            _log.exception("a batch of %d requests failed; finishing them with an error", len(out.seqs))
+            self._count_step(len(out.seqs), len(out.seqs))
+            return self._fail(out.seqs, f"{type(exc).__name__}: {exc}")
+        self._count_step(len(failed), len(out.seqs))
+        outputs = self._fail([out.seqs[i] for i in failed], "; ".join(sorted(set(failed.values())))) if failed else []
         with self.profile.stage("postprocess"):
-            return self._postprocess(out, tokens)
+            return outputs + self._postprocess(out, tokens)
 
-    def _run(self, out: SchedulerOutput) -> list[list[int]]:
-        """Draft (speculative decoding), run the model and sample: the tokens to append to each sequence."""
+    def _count_step(self, failed: int, total: int) -> None:
+        self.num_failed_requests += failed
+        if failed == total:
+            self.num_failed_steps += 1
+            self.consecutive_failed_steps += 1
+        else:
+            self.consecutive_failed_steps = 0
+
+    def _run(self, out: SchedulerOutput) -> tuple[list[list[int]], dict[int, str]]:
+        """Draft (speculative decoding), run the model and sample: the tokens to append to each sequence, and the
+        sequences (by index) that could not be sampled, with why."""
         profile = self.profile
         drafts = self._propose(out) if self.speculator is not None and not out.is_prefill else {}
         with profile.stage("prepare"):
@@ -199,7 +226,7 @@ class Engine:
                 logits, scores = self.runner.forward_scored(out, inputs, scored)
         self.output_processor.record_prompt_logprobs(owners, scores)
         with profile.stage("sample"):
-            return self._sample(out, logits, drafts)
+            return self.step_sampler(out, logits, drafts)
 
     def _postprocess(self, out: SchedulerOutput, tokens: list[list[int]]) -> list[RequestOutput]:
         sizes = [len(s) - s.num_draft_tokens for s in out.seqs]
@@ -227,46 +254,19 @@ class Engine:
         if self._idle_steps > 2 and self.has_unfinished():
             raise RuntimeError("the scheduler made no progress for 3 steps with requests waiting (a bug)")
 
-    def _sample(self, out: SchedulerOutput, logits: torch.Tensor, drafts: dict[int, Draft]) -> list[list[int]]:
-        """Tokens to append per sequence: one sampled token; the verified drafts and one token after a
-        speculative pass; none for a partial prefill chunk (which must not draw from a generator)."""
-        seqs, tokens = out.seqs, [[] for _ in out.seqs]
-        first = list(itertools.accumulate([0, *out.num_tokens]))  # logits row of each sequence's first token
-        last_row = [first[i + 1] - 1 for i in range(len(seqs))] if not out.is_prefill else list(range(len(seqs)))
-        done = [s.num_computed_tokens + n == len(s) for s, n in zip(seqs, out.num_tokens, strict=True)]
-        # a prefill-only request (max_tokens 0) samples nothing
-        plain = [
-            i for i, s in enumerate(seqs) if done[i] and s.seq_id not in drafts and s.sampling_params.max_tokens > 0
-        ]
-        if plain:
-            rows = [last_row[i] for i in plain]
-            sub = logits if len(rows) == logits.shape[0] else logits[rows]
-            gens = [self.output_processor.generator(seqs[i]) for i in plain]
-            sampled = self.sampler(sub, [seqs[i].sampling_params for i in plain], gens)
-            for i, t in zip(plain, sampled, strict=True):
-                tokens[i] = [t]
-            scored = [j for j, i in enumerate(plain) if seqs[i].sampling_params.logprobs is not None]
-            if scored:
-                self.output_processor.score(sub[scored], [seqs[plain[j]] for j in scored], [sampled[j] for j in scored])
-        assert self.speculator is not None or not drafts
-        for i, seq in enumerate(seqs):
-            if seq.seq_id in drafts:
-                generator = self.sampler.generator_for(self.output_processor.generator(seq))
-                rows = logits[first[i] : first[i + 1]]
-                tokens[i] = self.speculator.verify(seq, drafts[seq.seq_id], rows, generator)  # type: ignore[union-attr]
-                if seq.sampling_params.logprobs is not None:  # row j scored the j-th token appended
-                    self.output_processor.score(rows[: len(tokens[i])], [seq] * len(tokens[i]), tokens[i])
-        return tokens
-
-    def _fail(self, seqs: list[Sequence], exc: Exception) -> list[RequestOutput]:
-        _log.exception("a batch of %d requests failed; finishing them with an error", len(seqs))
+    def _fail(self, seqs: list[Sequence], error: str) -> list[RequestOutput]:
+        """Finish ``seqs`` with an error (their blocks freed); ``error`` stays in the outputs and the log (a server
+        shows clients a generic message)."""
+        _log.error(
+            "requests %s failed: %s", ", ".join(self.output_processor.request_id(s) for s in seqs), error
+        )  # fmt: skip
         outputs = []
         for seq in seqs:
             if seq.num_draft_tokens:  # unverified drafts are not output
                 del seq.token_ids[-seq.num_draft_tokens :]
                 seq.num_draft_tokens = 0
             self.scheduler.finish(seq, FinishReason.ERROR)  # frees its blocks and clears the in-flight step
-            outputs.append(self.output_processor.fail(seq, f"{type(exc).__name__}: {exc}"))
+            outputs.append(self.output_processor.fail(seq, error))
         self._forget_drafts()
         return outputs
 

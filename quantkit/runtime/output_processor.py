@@ -36,6 +36,7 @@ class RequestOutput:
     error: str | None = None  # why the request failed or was refused (finish_reason ERROR)
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     arrival_time: float = 0.0  # time.perf_counter() stamps
+    first_scheduled_time: float | None = None  # admitted from the waiting queue (its queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing scores it).
@@ -51,6 +52,7 @@ class RequestState:
     generator: torch.Generator | None  # per-request seed; kept across preemption
     arrival_time: float
     detokenizer: Detokenizer | None  # None: the model has no tokenizer (no text)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     text: str = ""
     finish_time: float | None = None
@@ -82,6 +84,21 @@ class OutputProcessor:
         if params.logprobs is not None:
             req.logprobs = []
         self._by_seq[seq.seq_id] = self._by_id[request_id] = req
+
+    def mark_scheduled(self, seqs: list[Sequence]) -> None:
+        """Stamp the first time each sequence was scheduled (its queue time ends there)."""
+        now = time.perf_counter()
+        for seq in seqs:
+            req = self._by_seq.get(seq.seq_id)
+            if req is not None and req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+
+    def request_ids(self) -> list[str]:
+        """Every live request's id."""
+        return list(self._by_id)
+
+    def request_id(self, seq: Sequence) -> str:
+        return self._by_seq[seq.seq_id].request_id
 
     def generator(self, seq: Sequence) -> torch.Generator | None:
         return self._by_seq[seq.seq_id].generator
@@ -165,9 +182,11 @@ class OutputProcessor:
         if detok is None or (not detok.stop and not seq.is_finished and not self.stream_text):
             return
         ends = range(size_before + 1, len(seq) + 1) if detok.stop else [len(seq)]
+        min_tokens = seq.sampling_params.min_tokens
         for end in ends:
             last = end == len(seq)
-            result = detok.update(seq.token_ids[seq.num_prompt_tokens : end], finished=last and seq.is_finished)
+            completion = seq.token_ids[seq.num_prompt_tokens : end]
+            result = detok.update(completion, finished=last and seq.is_finished, search=len(completion) > min_tokens)
             req.text = result.text
             if result.stopped:
                 del seq.token_ids[end:]  # tokens after the stop string's end were never to be generated
@@ -191,6 +210,7 @@ class OutputProcessor:
             error=req.error,
             num_cached_tokens=seq.num_cached_tokens,
             arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
             first_token_time=req.first_token_time,
             finish_time=req.finish_time,
             prompt_logprobs=req.prompt_logprobs,

@@ -2,13 +2,14 @@
 
 Each step is either a prefill batch or a decode batch (``SchedulerOutput.is_prefill``):
 
-* Prefill first: sequences with a chunked prefill in progress, then new ones FIFO from ``waiting``
-  (strict FIFO: if the head does not fit, nothing behind it is admitted), bounded by
+* Prefill first: sequences with a chunked prefill in progress, then new ones from ``waiting`` in the order of
+  :class:`~quantkit.runtime.waiting_queue.WaitingQueue` (preempted first, then fair between tenants, by priority
+  and arrival within one; strict: if the next one does not fit, nothing is admitted behind it), bounded by
   ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` uncached tokens and free blocks.
   A prefill allocates blocks for the whole sequence even when only a chunk of it runs this step.
 * Otherwise every running sequence decodes one token, oldest arrival first. One that cannot get a
   block for its next token preempts the most recently arrived running sequence (or itself when it is
-  the newest): the victim's blocks are freed and it goes back to the FRONT of ``waiting`` with its
+  the newest): the victim's blocks are freed and it goes back to the front of ``waiting`` with its
   generated tokens, so it is later re-prefilled as prompt + generated-so-far (its full blocks are
   usually still in the prefix cache). A preempted sequence keeps its arrival stamp and so its priority.
 
@@ -18,13 +19,14 @@ The caller loop is ``out = schedule()``; run the model on ``out``; ``postprocess
 from __future__ import annotations
 
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.block_manager import BlockManager
 from quantkit.runtime.sequence import FinishReason, Sequence, SequenceStatus
+from quantkit.runtime.waiting_queue import WaitingQueue
 
 
 @dataclass(slots=True)
@@ -75,7 +77,7 @@ class Scheduler:
             self.eos_token_ids = frozenset((eos_token_id,))
         else:
             self.eos_token_ids = frozenset(eos_token_id)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: deque[Sequence] = deque()
         self._seqs: dict[int, Sequence] = {}  # live (unfinished) sequences by id
         self._in_flight: dict[int, int] = {}  # seq_id -> tokens scheduled by the last schedule()
@@ -120,7 +122,7 @@ class Scheduler:
             )
         seq.arrival = next(self._arrivals)
         self._seqs[seq.seq_id] = seq
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     # ----------------------------------------------------------------- scheduling
     def schedule(self) -> SchedulerOutput:
@@ -146,15 +148,18 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
-        # 2. Admit new sequences, strictly FIFO.
+        # 2. Admit waiting sequences in the queue's order; stop at the first that does not fit.
+        running = Counter(s.tenant for s in self.running)
         while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek(running)
+            assert seq is not None
             if not bm.can_allocate(seq):
                 break
             uncached = seq.num_tokens - bm.num_cached_tokens(seq)
             if uncached > budget and not cfg.enable_chunked_prefill:
                 break
-            self.waiting.popleft()
+            self.waiting.pop(seq)
+            running[seq.tenant] += 1
             bm.allocate(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -189,7 +194,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.deallocate(seq)  # resets num_computed_tokens: everything is recomputed
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)  # later victims were pushed first, so waiting keeps arrival order
+        self.waiting.push_preempted(seq)  # later victims were pushed first, so they keep their arrival order
 
     # ----------------------------------------------------------------- speculation
     def add_drafts(self, out: SchedulerOutput, drafts: dict[int, list[int]]) -> None:

@@ -41,6 +41,9 @@ class FinishReason(str, Enum):
 class Sequence:
     token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    priority: int = 0  # lower is admitted first among its tenant's waiting requests (vLLM's `priority`)
+    tenant: str = ""  # who sent it (an API key's name): the waiting queue is shared fairly between tenants
+    cache_salt: bytes | None = None  # mixed into its prefix-cache hashes: only requests with the same salt share
     seq_id: int = field(default_factory=lambda: next(_seq_ids), init=False)
     num_prompt_tokens: int = field(default=0, init=False)
     status: SequenceStatus = field(default=SequenceStatus.WAITING, init=False)

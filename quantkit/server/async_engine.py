@@ -1,49 +1,56 @@
-"""The engine on its own thread, fed from the event loop.
+"""Requests between the event loop and the engine thread (:mod:`quantkit.server.engine_thread`).
 
-Every engine call (tokenizing, chat templates, add, abort, step) runs on the engine thread, so the engine and
-its tokenizer are never used from two threads. The event loop submits commands and reads each request's
-outputs from its own ``asyncio.Queue``. Requests in flight are bounded (running batch + ``max_queue``): one
-more is refused with 429 instead of growing memory without limit.
+A request first takes a slot (:meth:`AsyncEngine.reserve`: 429 when the server is full, before any tokenizing),
+then is queued on the engine (:meth:`AsyncEngine.submit`), then its outputs are read (:meth:`AsyncEngine.outputs`).
+
+* Slots: running batch + ``max_queue``. A slot is freed as soon as the engine is done with the request, whether or
+  not its client has read the answer. When the server is full, a request from an API key (tenant) that holds fewer
+  slots than the key holding the most pushes out that key's newest request that has not produced anything yet
+  (it gets 429): one key's flood cannot lock the others out.
+* Outputs are cumulative (each holds the whole completion so far), so a request keeps only the latest one it has
+  not read: a client that reads slowly, or not at all, costs one output, not one per step.
+* Engine failures reach clients as a generic error naming the request id (the server log has the details): no
+  exception text, device or path leaves the server.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.engine import Engine, RequestOutput
 from quantkit.runtime.sampling_params import SamplingParams
 from quantkit.runtime.sequence import FinishReason
+from quantkit.server.engine_thread import EngineStats, EngineThread
 from quantkit.server.metrics import Metrics
-from quantkit.server.protocol import APIError, scrub_paths
+from quantkit.server.protocol import APIError, internal_error, scrub_paths
+
+__all__ = ["AsyncEngine", "EngineStats", "bad_request"]
 
 _log = logging.getLogger(__name__)
-_IDLE_POLL_S = 0.05  # the idle engine thread wakes this often to notice stop()
-_DISCONNECT_POLL_S = 1.0  # a non-streaming request checks its client this often
-
-Build = Callable[[Engine], tuple["str | list[int]", SamplingParams]]
+_DISCONNECT_POLL_S = 1.0  # a request waiting for output checks its client this often
 
 
-@dataclass(slots=True, frozen=True)
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    kv_usage: float = 0.0
-    free_blocks: int = 0
-    spec_acceptance: float = 0.0  # accepted / drafted tokens so far (speculative decoding)
-    spec_tokens_per_step: float = 0.0  # tokens per target pass of a sequence with drafts
-    preemptions: int = 0  # sequences preempted so far
+@dataclass(slots=True, eq=False)
+class _Request:
+    rid: str
+    tenant: str
+    priority: int = 0
+    latest: RequestOutput | None = None  # the newest output not read yet
+    error: APIError | None = None  # ends the request (read before any output still unread)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    counted: int = -1  # completion tokens counted in the metrics so far (-1: not even its prompt)
+    started: bool = False  # produced an output: never pushed out
+    released: bool = False  # its slot is free (the engine is done with it, or it was pushed out)
+    queue_observed: bool = False
 
 
-class AsyncEngine:
+class AsyncEngine(EngineThread):
     def __init__(
         self,
         engine: Engine,
@@ -51,44 +58,17 @@ class AsyncEngine:
         metrics: Metrics | None = None,
         redact: Callable[[str], str] = scrub_paths,
     ) -> None:
+        super().__init__(engine)
         engine.stream_text = True  # decode every step: streamed deltas
-        self.engine = engine
         self.redact = redact  # engine messages name the model's directory: hidden before a client sees them
         self.metrics = metrics or Metrics()
         self.max_in_flight = engine.config.max_num_seqs + max_queue
-        self.num_in_flight = 0  # requests added and not yet cleaned up (event loop only)
-        self.stats = EngineStats(free_blocks=engine.block_manager.num_free_blocks)
-        self._commands: queue.SimpleQueue[tuple[Callable[[Engine], Any], Future[Any]]] = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
-        # request -> completion tokens counted in the metrics so far (-1: not even its prompt); cleaned up with it
-        self._counted: dict[str, int] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
-        self._unpaused = threading.Event()
-        self._unpaused.set()
+        self.num_in_flight = 0  # slots taken (event loop only)
+        self._slots: Counter[str] = Counter()  # tenant -> slots taken
+        self._requests: dict[str, _Request] = {}  # in reservation order
         self._closed: APIError | None = None  # set by close(): every request in flight or new gets this error
 
     # ----------------------------------------------------------------- lifecycle (event loop side)
-    def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="quantkit-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._unpaused.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def pause(self) -> None:
-        """Stop stepping (requests still queue up); for tests and maintenance."""
-        self._unpaused.clear()
-
-    def resume(self) -> None:
-        self._unpaused.set()
-
     def close(self, error: APIError) -> None:
         """From any thread: end every request in flight with ``error`` (and refuse new ones); each is aborted
         as its handler leaves. Used when the drain time after SIGTERM has run out."""
@@ -96,56 +76,80 @@ class AsyncEngine:
 
     def _close(self, error: APIError) -> None:
         self._closed = error
-        self._fail_all(error)
+        self._fail_all(lambda _: error)
+
+    def on_death(self, _: None) -> None:
+        self._fail_all(lambda req: internal_error(req.rid, 503))
+
+    def on_step_exception(self, _: None) -> None:
+        self._fail_all(lambda req: internal_error(req.rid))
 
     # ----------------------------------------------------------------- requests (event loop side)
-    async def add(self, build: Build) -> str:
-        """Queue a request built on the engine thread; APIError 429 when full, 400 when the engine refuses it."""
-        if self.num_in_flight >= self.max_in_flight:
+    def reserve(self, tenant: str = "", priority: int = 0) -> str:
+        """A slot for a new request; its id. APIError 429 when the server is full, 503 when it cannot serve."""
+        if self._closed is not None:
+            raise self._closed
+        if self.dead:
+            raise APIError(503, "the engine is not running; retry later", "server_error", code="engine_unavailable")
+        if self.num_in_flight >= self.max_in_flight and not self._push_out(tenant):
             raise APIError(
                 429, f"the server queue is full ({self.max_in_flight} requests); retry later", "rate_limit_error",
                 code="queue_full",
             )  # fmt: skip
-        if self._closed is not None:
-            raise self._closed
         rid = uuid.uuid4().hex
-        self._streams[rid] = asyncio.Queue()
-        self._counted[rid] = -1
+        self._requests[rid] = _Request(rid, tenant, priority)
+        self._slots[tenant] += 1
         self.num_in_flight += 1
+        return rid
+
+    async def submit(
+        self, rid: str, prompt: str | list[int], params: SamplingParams, cache_salt: bytes | None = None
+    ) -> None:
+        """Queue a reserved request on the engine; APIError 400 when the engine refuses it."""
+        req = self._requests.get(rid)
+        if req is None or req.error is not None:
+            self.cleanup(rid, finished=True)
+            raise req.error if req is not None and req.error is not None else APIError(400, "unknown request")
 
         def add(engine: Engine) -> None:
-            prompt, params = build(engine)
-            engine.add_request(prompt, params, request_id=rid)
+            if req.error is None:  # not pushed out meanwhile (its abort is queued after this command)
+                engine.add_request(prompt, params, rid, priority=req.priority, tenant=req.tenant, cache_salt=cache_salt)
 
         try:
-            await asyncio.wrap_future(self._submit(add))
+            await asyncio.wrap_future(self.command(add))
         except QuantkitError as exc:
             self.cleanup(rid, finished=True)
             raise bad_request(self.redact(str(exc))) from None
         except BaseException:
             self.cleanup(rid, finished=True)
             raise
-        return rid
+
+    async def wait_started(self, rid: str, is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
+        """Wait for the request's first output (or its error, raised as APIError); False when the client left."""
+        req = self._requests.get(rid)
+        while req is not None and req.latest is None and req.error is None:
+            if not await self._wait(req, is_disconnected):
+                return False
+        if req is not None and req.error is not None:
+            raise req.error
+        return req is not None
 
     async def outputs(
         self, rid: str, is_disconnected: Callable[[], Awaitable[bool]] | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """A request's outputs until it finishes; leaving early (or a gone client) aborts it."""
-        stream = self._streams.get(rid)
+        """A request's outputs until it finishes (consecutive outputs a slow reader missed are skipped: each holds
+        everything before it); leaving early (or a gone client) aborts it."""
+        req = self._requests.get(rid)
         finished = False
         try:
-            while stream is not None:
-                if is_disconnected is None:
-                    out = await stream.get()
-                else:
-                    try:
-                        out = await asyncio.wait_for(stream.get(), _DISCONNECT_POLL_S)
-                    except asyncio.TimeoutError:
-                        if await is_disconnected():
-                            return
-                        continue
-                if isinstance(out, BaseException):
-                    raise out
+            while req is not None:
+                if req.error is not None:
+                    raise req.error
+                if req.latest is None:
+                    if not await self._wait(req, is_disconnected):
+                        return
+                    continue
+                out, req.latest = req.latest, None
                 finished = out.finished
                 yield out
                 if finished:
@@ -153,108 +157,102 @@ class AsyncEngine:
         finally:
             self.cleanup(rid, finished)
 
-    def cleanup(self, rid: str, finished: bool = False) -> None:
-        """Release a request's slot (idempotent); an unfinished one is aborted, freeing its KV blocks."""
-        self._counted.pop(rid, None)
-        if self._streams.pop(rid, None) is None:
-            return
-        self.num_in_flight -= 1
-        if not finished:
-            self._submit(lambda engine: engine.abort(rid))
-
-    def _submit(self, fn: Callable[[Engine], Any]) -> Future[Any]:
-        fut: Future[Any] = Future()
-        self._commands.put((fn, fut))
-        return fut
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            rid = out.request_id
-            if out.error is not None:
-                out.error = self.redact(out.error)
-            else:
-                self._count(out)
-            if out.finished and out.error is None:
-                reason = "length" if out.finish_reason is FinishReason.LENGTH else "stop"
-                self.metrics.observe_finished(
-                    reason, len(out.token_ids), out.arrival_time, out.first_token_time, out.finish_time
-                )
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.put_nowait(out)
-
-    def _count(self, out: RequestOutput) -> None:
-        """Token counters: the prompt once its prefill is done (the first output), generated tokens as they come
-        (an output arriving after its request was cleaned up, aborted, is not counted)."""
-        counted = self._counted.get(out.request_id)
-        if counted is None:
-            return
-        prompt = len(out.prompt_token_ids) if counted < 0 else 0
-        counted = max(counted, 0)
-        self.metrics.count_tokens(prompt, max(0, len(out.token_ids) - counted))
-        if out.finished:
-            del self._counted[out.request_id]
-        else:
-            self._counted[out.request_id] = max(counted, len(out.token_ids))
-
-    def _fail_all(self, exc: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(exc)
-
-    # ----------------------------------------------------------------- the engine thread
-    def _run(self) -> None:
-        engine = self.engine
-        while not self._stop.is_set():
-            busy = engine.has_unfinished() and self._unpaused.is_set()
-            self._run_commands(block=not busy)
-            if not (engine.has_unfinished() and self._unpaused.is_set()):
-                self._publish_stats()
-                continue
-            try:
-                outputs = engine.step()
-            except Exception as exc:  # an engine bug: fail what is in flight, keep serving new requests
-                _log.exception("engine step failed")
-                for rid in list(self._streams):
-                    engine.abort(rid)
-                error = APIError(500, self.redact(f"engine failure: {exc}"), "server_error")
-                self._call_soon(self._fail_all, error)
-                continue
-            self._publish_stats()
-            if outputs:
-                self._call_soon(self._dispatch, outputs)
-
-    def _run_commands(self, block: bool) -> None:
+    async def _wait(self, req: _Request, is_disconnected: Callable[[], Awaitable[bool]] | None) -> bool:
+        """Until the request has news; False when its client has gone."""
+        req.wake.clear()
+        if is_disconnected is None:
+            await req.wake.wait()
+            return True
         try:
-            item = self._commands.get(timeout=_IDLE_POLL_S) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            fn, fut = item
-            try:
-                result = fn(self.engine)
-            except BaseException as exc:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(result)
-            try:
-                item = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            await asyncio.wait_for(req.wake.wait(), _DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            return not await is_disconnected()
+        return True
 
-    def _publish_stats(self) -> None:
-        sched, bm, spec = self.engine.scheduler, self.engine.block_manager, self.engine.spec_stats
-        self.stats = EngineStats(
-            sched.num_running, sched.num_waiting, bm.usage, bm.num_free_blocks, spec.acceptance_rate,
-            spec.tokens_per_step, self.engine.num_preemptions,
+    def cleanup(self, rid: str, finished: bool = False) -> None:
+        """Forget a request (idempotent); an unfinished one is aborted, freeing its KV blocks."""
+        req = self._requests.pop(rid, None)
+        if req is None:
+            return
+        self._release(req)
+        if not finished:
+            self.command(lambda engine: engine.abort(rid))
+
+    def _release(self, req: _Request) -> None:
+        if not req.released:
+            req.released = True
+            self.num_in_flight -= 1
+            self._slots[req.tenant] -= 1
+            if not self._slots[req.tenant]:
+                del self._slots[req.tenant]
+
+    def _push_out(self, tenant: str) -> bool:
+        """Free a slot for ``tenant`` from the tenant holding the most, if it holds more (see the module docstring)."""
+        if not self._slots:
+            return False
+        heaviest, held = self._slots.most_common(1)[0]
+        if heaviest == tenant or self._slots[tenant] + 1 >= held:
+            return False
+        for req in reversed(self._requests.values()):
+            if req.tenant == heaviest and not req.started and not req.released:
+                req.error = APIError(
+                    429, "the server queue is full and this request was the newest of the API key holding the most "
+                    "requests; retry later, or send fewer requests at once", "rate_limit_error", code="queue_full",
+                )  # fmt: skip
+                req.wake.set()
+                self._release(req)
+                self.metrics.pushed_out += 1
+                self.command(lambda engine, rid=req.rid: engine.abort(rid))
+                return True
+        return False
+
+    def _fail_all(self, error: Callable[[_Request], APIError]) -> None:
+        for req in self._requests.values():
+            if req.error is None:
+                req.error = error(req)
+                req.wake.set()
+
+    # ----------------------------------------------------------------- outputs (event loop side)
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            req = self._requests.get(out.request_id)
+            if out.error is None and req is not None:
+                self._count(req, out)
+            if req is not None and not req.queue_observed and out.first_scheduled_time is not None:
+                req.queue_observed = True
+                self.metrics.observe_queue(req.priority, out.first_scheduled_time - out.arrival_time)
+            if out.finished:
+                self._observe_finished(out)
+            if req is None:
+                continue  # cleaned up (aborted) meanwhile
+            req.started = True
+            req.latest = out
+            req.wake.set()
+            if out.finished:
+                self._release(req)
+
+    def _observe_finished(self, out: RequestOutput) -> None:
+        if out.finish_reason is FinishReason.ERROR:
+            self.metrics.request_errors += 1
+            return
+        reason = "length" if out.finish_reason is FinishReason.LENGTH else "stop"
+        self.metrics.observe_finished(
+            reason, len(out.token_ids), out.arrival_time, out.first_token_time, out.finish_time
         )  # fmt: skip
 
-    def _call_soon(self, fn: Callable[..., None], arg: Any) -> None:
-        loop = self._loop
-        if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(fn, arg)
+    def _count(self, req: _Request, out: RequestOutput) -> None:
+        """Token counters: the prompt once its prefill is done (the first output), generated tokens as they come
+        (an output arriving after its request was cleaned up, aborted, is not counted)."""
+        prompt = len(out.prompt_token_ids) if req.counted < 0 else 0
+        counted = max(req.counted, 0)
+        self.metrics.count_tokens(prompt, max(0, len(out.token_ids) - counted))
+        req.counted = max(counted, len(out.token_ids))
 
 
 def bad_request(message: str) -> APIError:
     if "max_model_len" in message or "KV blocks" in message:
         return APIError(400, message, param="prompt", code="context_length_exceeded")
-    return APIError(400, message, param="prompt" if "prompt" in message else None)
+    for param in ("stop_token_ids", "logit_bias", "priority", "prompt"):
+        if param in message:
+            return APIError(400, message, param=param)
+    return APIError(400, message)

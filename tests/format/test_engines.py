@@ -13,6 +13,7 @@ from quantkit.format.engines import (
     DENSE_PACKING_SINCE,
     HOPPER,
     TRANSFORMERS_VERSIONS,
+    VLLM_VERSION,
     fallback_scheme,
     gguf_type,
     gptq_support,
@@ -96,7 +97,7 @@ def test_gptq_and_gguf_types():
 def test_loads_in_counts_layers_per_kernel():
     layers = [LayerShape("q", s(), 576, 576), LayerShape("up", s(), 1536, 576), LayerShape("x", s(group=128), 64, 576)]
     verdicts = {v.engine: v for v in loads_in(layers)}
-    hopper = verdicts["vLLM, Hopper (sm90)"]
+    hopper = verdicts[f"vLLM, Hopper (sm90; predicted from vLLM {VLLM_VERSION} source)"]
     assert not hopper.loads and hopper.layers == {"q": "Marlin", "up": "Machete", "x": hopper.layers["x"]}
     assert hopper.summary.startswith("Marlin 1, Machete 1, refused 1 (group size 128")
     assert verdicts["GGUF (quantkit export)"].summary == "Q4_0 3"

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.quantization.methods.hooks import Hooks, Solved
+from quantkit.format.scheme import QuantizedWeight
+from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.grid import compute_qparams, group_slices, quantize
 
 
@@ -29,10 +29,10 @@ class ClipRTNConfig:
 
 
 class _Hooks(Hooks):
-    def solve(self, config: Any, weights: list[torch.Tensor], hessian: torch.Tensor | None, scheme: QuantScheme,
-              storage: torch.dtype, names: list[str], parking: Any = None) -> Solved:  # fmt: skip
+    def solve(self, config: Any, job: SolveJob) -> Solved:
+        scheme, storage = job.scheme, job.storage
         solved = []
-        for w, name in zip(weights, names, strict=True):
+        for w, name in zip(job.weights, job.full_names, strict=True):
             w = w.float()
             n, k = w.shape
             slices = group_slices(k, scheme)
@@ -50,14 +50,7 @@ class _Hooks(Hooks):
         return solved
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="clip_rtn",
-        config=ClipRTNConfig,
-        role=Role.SOLVER,
-        caps=Capabilities(needs_calibration=False, records=(LayerRecord,)),
-        hooks=_Hooks(),
-        switch=Switch("method"),
-        summary="clipped round-to-nearest: each group's range shrunk by a fixed ratio",
-    )
-)
+SWITCH = Switch("method")
+CAPS = Capabilities(needs_calibration=False, records=(LayerRecord,))
+SUMMARY = "clipped round-to-nearest: each group's range shrunk by a fixed ratio"
+ALGORITHM = register("clip_rtn", ClipRTNConfig, Role.SOLVER, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

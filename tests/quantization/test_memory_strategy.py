@@ -7,21 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.matrices import spd
 
 from quantkit.quantization.memory_strategy import HessianParking, MemoryStrategy
 
 
-def _spd(k: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(3 * k, k, generator=gen) * (0.1 + torch.rand(k, generator=gen))
-    h = 2.0 * x.T @ x / x.shape[0]
-    h = torch.triu(h) + torch.triu(h, diagonal=1).T  # exactly symmetric, as HessianStat gives it
-    h.diagonal().add_(0.01 * float(h.diagonal().mean()))
-    return h
-
-
 def test_a_parked_hessian_frees_its_memory_and_comes_back_unchanged(tmp_path: Path) -> None:
-    h = _spd(64)
+    h = spd(64)
     view, before = h.detach(), h.clone()
     parking = HessianParking(h, tmp_path / "h.spill")
     parking.park()

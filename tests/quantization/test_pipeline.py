@@ -18,6 +18,7 @@ from quantkit.quantization.checkpoint_output import block_tensors
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import JobSteps
 from quantkit.quantization.methods.gptq import GPTQConfig
+from quantkit.quantization.methods.hooks import SolveJob
 from quantkit.quantization.pipeline import quantize_model
 from quantkit.quantization.quantize_block import quantize_block
 
@@ -327,8 +328,8 @@ def test_stacked_solve_equals_solving_each_linear():
     hessian = 2 * x.T @ x / x.shape[0]
     weights = [torch.randn(n, 48, generator=gen) for n in (32, 16, 16)]
     scheme = QuantScheme(bits=4, group_size=16, act_order=True)
-    solver = registry.by_name("gptq").hooks
-    stacked = solver.solve(GPTQConfig(), weights, hessian, scheme, torch.bfloat16, ["q", "k", "v"])
+    job = SolveJob("block", ["q", "k", "v"], weights, hessian, scheme, torch.bfloat16)
+    stacked = registry.by_name("gptq").hooks.solve(GPTQConfig(), job)
     for w, (qw, record) in zip(weights, stacked, strict=True):
         alone = gptq_solve(w, hessian, scheme, GPTQConfig()).weight
         assert torch.allclose(qw.dequantize(), alone.dequantize(), atol=1e-6)

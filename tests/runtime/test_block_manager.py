@@ -180,7 +180,7 @@ def test_lru_evicts_tail_blocks_before_shared_prefix() -> None:
 
 
 def test_hash_collision_never_shares_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bm_mod, "block_hash", lambda prev, tokens: b"same")
+    monkeypatch.setattr(bm_mod, "block_hash", lambda prev, tokens, salt=None: b"same")
     bm = BlockManager(num_blocks=8, block_size=BS)
     kv = FakeKV(bm)
     a = Sequence([1, 2, 3, 4, 5])

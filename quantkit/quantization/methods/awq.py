@@ -12,7 +12,8 @@ from typing import Any, ClassVar
 from quantkit.errors import QuantkitError
 from quantkit.quantization.methods.awq_block import apply_awq_to_block
 from quantkit.quantization.methods.hooks import BlockWork, Hooks
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.records import kind_dict
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.awq import Objective
 
 
@@ -53,11 +54,7 @@ class AWQScaleRecord:
     awq_error: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.KIND} | {
-            "ratio": self.ratio,
-            "rtn_error": self.rtn_error,
-            "awq_error": self.awq_error,
-        }
+        return kind_dict(self)
 
 
 @dataclass(slots=True)
@@ -69,7 +66,7 @@ class AWQClipRecord:
     mean_shrink: float
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.KIND, "mean_shrink": self.mean_shrink}
+        return kind_dict(self)
 
 
 class _Hooks(Hooks):
@@ -86,18 +83,11 @@ class _Hooks(Hooks):
         return records
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="awq",
-        config=AWQConfig,
-        role=Role.TRANSFORM,
-        caps=Capabilities(
-            records=(AWQScaleRecord, AWQClipRecord),
-            # asymmetric as in AutoAWQ; AWQ clips the range itself, so no MSE clipping after it
-            scheme_defaults={"symmetric": False, "mse_clip": False},
-        ),
-        hooks=_Hooks(),
-        switch=Switch("method"),
-        summary="AWQ: activation-aware scales folded into the previous module, then clipping",
-    )
+SWITCH = Switch("method")
+CAPS = Capabilities(
+    records=(AWQScaleRecord, AWQClipRecord),
+    # asymmetric as in AutoAWQ; AWQ clips the range itself, so no MSE clipping after it
+    scheme_defaults={"symmetric": False, "mse_clip": False},
 )
+SUMMARY = "AWQ: activation-aware scales folded into the previous module, then clipping"
+ALGORITHM = register("awq", AWQConfig, Role.TRANSFORM, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

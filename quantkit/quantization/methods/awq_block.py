@@ -3,9 +3,9 @@ search each scaling group's scales (:mod:`quantkit.quantization.solvers.awq`) ag
 them into the previous module, then clip the weights (:mod:`quantkit.quantization.solvers.awq_clip`); q/k
 projections are never clipped. The float block computes the same function after folding.
 
-Cost (SmolLM2-shaped block, one CPU thread): ~2 s with ``objective="linear", search_samples=8`` (the defaults)
-and ~2.8 s with ``objective="module", search_samples=2``; the module objective grows linearly with
-``search_samples``.
+Cost: the linear objective (the default) scores candidates through Gram matrices; the module objective runs the
+module again for every candidate and grows linearly with ``search_samples`` (see
+:mod:`quantkit.quantization.solvers.awq`; the timings are in docs/benchmarks.md).
 """
 
 from __future__ import annotations

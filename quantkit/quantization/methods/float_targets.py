@@ -16,9 +16,8 @@ damps it (``lambda = damp * mean(diag H)``), and the damping pulls towards ``W``
 solves ``min sum ||W x - e - Q x~||^2 + lambda ||Q - W||^2``, which is ``W* = W + (W (C - H) - E)(H + lambda I)^-1``
 (``W`` itself where the two streams agree, as at the first block's first stage).
 
-The targets are a regression on the calibration tokens, so they need more of them than GPTQ does: on
-SmolLM2-135M (rotated, W4 g64) the KL on the calibration windows themselves was 0.011 with 64 x 512 windows
-against 0.059 on held-out text; 256 windows gave 0.048 held out.
+The targets are a regression on the calibration tokens, so they overfit a small calibration set and need more
+windows than GPTQ does (the calibration and held-out figures are in docs/benchmarks.md, "Float targets").
 
 The float inputs come from a copy of the block taken before any of its linears is quantized, run stage by stage
 on the float model's activations in step with the quantized block (:class:`FloatPath`); its output is the float
@@ -38,8 +37,8 @@ from torch import nn
 from quantkit.model.architectures import DOWN, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.staged_block import StagedBlock
-from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, register
+from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks, SolveJob
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
 
 _MIN_DAMP = 1e-4  # with --damp 0: some damping, so that a singular Hessian still factors
 _DAMP_TRIES = 4
@@ -215,35 +214,24 @@ class _Hooks(Hooks):
         # a float copy, before any linear is quantized
         return FloatCompanion(FloatPath(work.block, work.arch, work.runner, work.float_input))
 
-    def target_weights(
-        self,
-        config: Any,
-        solver: Any,
-        names: list[str],
-        weights: list[torch.Tensor],
-        hessian: torch.Tensor,
-        stage_data: Any,
-    ) -> list[torch.Tensor]:
+    def target_weights(self, config: Any, solver: Any, job: SolveJob, stage_data: Any) -> list[torch.Tensor]:
+        hessian = job.hessian
+        assert hessian is not None, "float targets need the stage's Hessian"
         return [
             float_target(w, hessian, stage_data.shift(name, w, hessian), solver.damp)
-            for name, w in zip(names, weights, strict=True)
+            for name, w in zip(job.names, job.weights, strict=True)
         ]
 
 
+SWITCH = Switch(
+    "flag",
+    flag="--float-targets",
+    help="GPTQ: fit each linear to the float model's outputs (and the residual stream's error), not to its "
+    "own outputs on the quantized inputs (GPTAQ); a regression on the calibration tokens: use 256 windows, "
+    "and --rotate hadamard (unrotated outlier channels make it worse than plain GPTQ).",
+)
+CAPS = Capabilities(needs_float_path=True, requires=("gptq",))
+SUMMARY = "float targets: GPTQ fits the float model's outputs on its own inputs (GPTAQ)"
 ALGORITHM = register(
-    Algorithm(
-        name="float_targets",
-        config=FloatTargetsConfig,
-        role=Role.TARGET,
-        caps=Capabilities(needs_float_path=True, requires=("gptq",)),
-        hooks=_Hooks(),
-        switch=Switch(
-            "flag",
-            flag="--float-targets",
-            help="GPTQ: fit each linear to the float model's outputs (and the residual stream's error), not to its "
-            "own outputs on the quantized inputs (GPTAQ); a regression on the calibration tokens: use 256 windows, "
-            "and --rotate hadamard (unrotated outlier channels make it worse than plain GPTQ).",
-        ),
-        summary="float targets: GPTQ fits the float model's outputs on its own inputs (GPTAQ)",
-    )
+    "float_targets", FloatTargetsConfig, Role.TARGET, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY
 )

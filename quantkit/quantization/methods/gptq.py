@@ -4,17 +4,16 @@ the rounding error of each column spread over the columns not yet quantized. The
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.quantization.methods.hooks import Hooks, Parking, Solved
+from quantkit.format.scheme import QuantizedWeight
+from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.gptq import gptq_solve, hessian_weighted_error
 
 
@@ -38,31 +37,23 @@ class GPTQConfig:
 
 
 class _Hooks(Hooks):
-    def solve(
-        self,
-        config: Any,
-        weights: list[torch.Tensor],
-        hessian: torch.Tensor | None,
-        scheme: QuantScheme,
-        storage: torch.dtype,
-        names: list[str],
-        parking: Callable[[torch.Tensor], Parking] | None = None,
-    ) -> Solved:
+    def solve(self, config: Any, job: SolveJob) -> Solved:
         """Linears that share an input (one Hessian): rows are independent given H, so solving the row-stacked
         matrix once equals solving each linear alone, with one factorisation and one column sweep."""
+        hessian, scheme = job.hessian, job.scheme
         assert hessian is not None, "GPTQ needs the stage's Hessian"
         result = gptq_solve(  # the stacked copy is the solver's alone: it works in it and frees it early
-            torch.cat(weights).float(),
+            torch.cat(job.weights).float(),
             hessian,
             scheme,
             config,
-            scale_dtype=storage,
-            name=", ".join(names),
+            scale_dtype=job.storage,
+            name=", ".join(job.full_names),
             overwrite=True,
-            parking=parking,
+            parking=job.parking,
         )
         out, start = [], 0
-        for w, name in zip(weights, names, strict=True):
+        for w, name in zip(job.weights, job.full_names, strict=True):
             rows = slice(start, start + w.shape[0])
             start = rows.stop
             qw = result.weight
@@ -78,19 +69,12 @@ class _Hooks(Hooks):
         return out
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="gptq",
-        config=GPTQConfig,
-        role=Role.SOLVER,
-        caps=Capabilities(
-            needs_hessian=True,
-            records=(LayerRecord,),
-            # columns by descending Hessian diagonal in static groups, and a Hessian-weighted range search
-            scheme_defaults={"act_order": True, "mse_clip": True},
-        ),
-        hooks=_Hooks(),
-        switch=Switch("method"),
-        summary="GPTQ: each linear solved column by column against its inputs' Hessian",
-    )
+SWITCH = Switch("method")
+CAPS = Capabilities(
+    needs_hessian=True,
+    records=(LayerRecord,),
+    # columns by descending Hessian diagonal in static groups, and a Hessian-weighted range search
+    scheme_defaults={"act_order": True, "mse_clip": True},
 )
+SUMMARY = "GPTQ: each linear solved column by column against its inputs' Hessian"
+ALGORITHM = register("gptq", GPTQConfig, Role.SOLVER, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

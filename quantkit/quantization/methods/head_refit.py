@@ -12,7 +12,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.model.source_weights import config_json, head_is_tied
 from quantkit.quantization.methods.hooks import Hooks, JobView, WorkView
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.head_refit import refit_head
 
 
@@ -51,18 +51,11 @@ class _Hooks(Hooks):
         return {head_name: refit_head(head, work.load_hidden(), reference, norm, eps, config.ridge)}
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="head_refit",
-        config=HeadRefitConfig,
-        role=Role.HEAD,
-        caps=Capabilities(needs_float_path=True),
-        hooks=_Hooks(),
-        switch=Switch(
-            "flag",
-            flag="--refit-head",
-            help="Refit the float head to the quantized body (needs an untied head, or --rotate).",
-        ),
-        summary="head refit: the float head refitted to read the quantized body's final hidden states",
-    )
+SWITCH = Switch(
+    "flag",
+    flag="--refit-head",
+    help="Refit the float head to the quantized body (needs an untied head, or --rotate).",
 )
+CAPS = Capabilities(needs_float_path=True)
+SUMMARY = "head refit: the float head refitted to read the quantized body's final hidden states"
+ALGORITHM = register("head_refit", HeadRefitConfig, Role.HEAD, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

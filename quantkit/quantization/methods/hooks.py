@@ -1,13 +1,15 @@
-"""The hooks an algorithm gives the run, and the views of the run its hooks receive.
+"""The hooks an algorithm gives the run, and what its hooks receive.
 
 An algorithm subclasses :class:`Hooks` and overrides the hooks of its role (:class:`~.registry.Role`); the
-others stay no-ops. The views are protocols: the block loop (``quantization/``) implements them, and the
-algorithms never import it, so the arrow runs one way (tests/test_import_rules.py).
+others stay no-ops. What the hooks receive is defined here, beside them: the block loop (``quantization/``)
+imports these types to fill them, and the algorithms never import the block loop, so the arrow runs one way
+(tests/test_import_rules.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.model.architectures import ArchSpec, Stage
-from quantkit.model.blocks import BlockRunner
+from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.source_weights import SourceWeights
 from quantkit.model.staged_block import StagedBlock
 
@@ -53,8 +55,9 @@ class WorkView(Protocol):
     def load_reference(self, device: torch.device | None = None) -> torch.Tensor | None: ...
 
 
-class BlockWork(Protocol):
-    """One block being quantized, as its hooks see it."""
+@dataclass(slots=True)
+class BlockWork:
+    """One block being quantized: what the block-level hooks read and write (the block loop fills it)."""
 
     block: nn.Module
     prefix: str
@@ -64,14 +67,32 @@ class BlockWork(Protocol):
     runner: BlockRunner
     hidden: torch.Tensor  # the block's calibration input (the solved output is later written over it)
     float_input: torch.Tensor  # the float model's input to this block (``hidden`` when no stream is carried)
-    kept_input: torch.Tensor | None  # a copy of ``hidden`` for hooks that run the solved block again
-    weights: dict[str, QuantizedWeight]  # solved so far, by linear path relative to the block
-    output: torch.Tensor | None  # the solved block's output (after the stages)
-    reference_output: torch.Tensor | None  # the float block's output on ``float_input``
+    kept_input: torch.Tensor | None = None  # a copy of ``hidden`` for hooks that run the solved block again
+    weights: dict[str, QuantizedWeight] = field(default_factory=dict)  # solved, by path relative to the block
+    records: list[Any] = field(default_factory=list)
+    output: torch.Tensor | None = None  # the solved block's output (after the stages)
+    reference_output: torch.Tensor | None = None  # the float block's output on ``float_input``
 
     def write_back(self, name: str, weight: QuantizedWeight) -> None:
-        """The block computes with ``weight`` (dequantized) from now on."""
-        ...
+        """The block computes with ``weight`` (dequantized) from now on: later stages see its output."""
+        get_module(self.block, name).weight.data = weight.dequantize(torch.float32)
+
+
+@dataclass(slots=True)
+class SolveJob:
+    """Linears of one block that share an input and a scheme, as a solver (and a target algorithm) gets them."""
+
+    prefix: str  # the block, e.g. "model.layers.3"
+    names: list[str]  # the linears, relative to the block
+    weights: list[torch.Tensor]  # what the solver fits (the linears' float weights, or a target algorithm's)
+    hessian: torch.Tensor | None  # of the shared input (None for a solver that needs none)
+    scheme: QuantScheme
+    storage: torch.dtype  # scales are rounded to it
+    parking: Callable[[torch.Tensor], Parking] | None = None  # how the Hessian's memory may be handed away
+
+    @property
+    def full_names(self) -> list[str]:
+        return [f"{self.prefix}.{name}" for name in self.names]
 
 
 class Companion(Protocol):
@@ -130,34 +151,18 @@ class Hooks:
         """Rewrite the float block in place on its calibration input; returns its records."""
         return []
 
-    def solve(
-        self,
-        config: Any,
-        weights: list[torch.Tensor],
-        hessian: torch.Tensor | None,
-        scheme: QuantScheme,
-        storage: torch.dtype,
-        names: list[str],
-        parking: Parking | None = None,
-    ) -> Solved:
-        """Linears that share one input and one scheme -> a quantized weight and a record each (solvers only)."""
+    def solve(self, config: Any, job: SolveJob) -> Solved:
+        """A quantized weight and a record per linear of ``job`` (solvers only)."""
         raise NotImplementedError(f"{type(self).__name__} is not a weight solver")
 
     def companion(self, config: Any, work: BlockWork) -> Companion | None:
         """What runs beside the quantized block through its stages (target algorithms)."""
         return None
 
-    def target_weights(
-        self,
-        config: Any,
-        solver: Any,
-        names: list[str],
-        weights: list[torch.Tensor],
-        hessian: torch.Tensor,
-        stage_data: Any,
-    ) -> list[torch.Tensor]:
-        """The weights the solver fits instead of the linears' own (``stage_data``: the companion's)."""
-        return weights
+    def target_weights(self, config: Any, solver: Any, job: SolveJob, stage_data: Any) -> list[torch.Tensor]:
+        """The weights the solver fits instead of ``job.weights`` (``solver``: its config; ``stage_data``: what
+        this algorithm's companion collected over the stage)."""
+        return job.weights
 
     def tune(self, config: Any, work: BlockWork) -> list[Any]:
         """Adjust the solved block (its weights and output) in place; returns its records."""

@@ -33,6 +33,12 @@ class LayerRecord:
         return asdict(self)
 
 
+def kind_dict(record: Any) -> dict[str, Any]:
+    """A kind-tagged record as JSON-able data: its name, its kind, then its other fields in order."""
+    fields = asdict(record)
+    return {"name": fields.pop("name"), "kind": record.KIND} | fields
+
+
 def record_from_dict(data: dict[str, Any]) -> LayerRecord | RunRecord:
     """Inverse of ``to_dict``: a record without ``kind`` is a :class:`LayerRecord`, else the registered record
     type of that kind."""

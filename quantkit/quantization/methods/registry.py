@@ -78,8 +78,11 @@ class Algorithm:
 _REGISTRY: dict[str, Algorithm] = {}
 
 
-def register(algorithm: Algorithm) -> Algorithm:
-    """Add ``algorithm`` (called once, from its own module)."""
+def register(
+    name: str, config: type, role: Role, hooks: Any, *, switch: Switch, summary: str, caps: Capabilities | None = None
+) -> Algorithm:
+    """Register an algorithm (once, from its own module) and return it."""
+    algorithm = Algorithm(name, config, role, caps or Capabilities(), hooks, switch, summary)
     if not dataclasses.is_dataclass(algorithm.config):
         raise TypeError(f"{algorithm.name}: its config must be a dataclass")
     for known in _REGISTRY.values():

@@ -22,7 +22,7 @@ from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import get_module
 from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is_tied, load_module, release_module
 from quantkit.quantization.methods.hooks import Hooks, JobView
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.rotation.config import ROTATION_KINDS, RotationKind, Rotations, rotations_for
 from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
 from quantkit.rotation.norms import check_rmsnorm
@@ -130,14 +130,7 @@ class _Hooks(Hooks):
         return {"rotation": state.log() | {"untied_head": state.head_name if state.tied else None}}
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="rotation",
-        config=RotationConfig,
-        role=Role.ROTATION,
-        caps=Capabilities(needs_calibration=False, loads_float32=True, unties_head=True),
-        hooks=_Hooks(),
-        switch=Switch("field", field="kind", off=OFF),
-        summary="rotation: a randomized Hadamard rotation folded into the float weights (QuaRot-style)",
-    )
-)
+SWITCH = Switch("field", field="kind", off=OFF)
+CAPS = Capabilities(needs_calibration=False, loads_float32=True, unties_head=True)
+SUMMARY = "rotation: a randomized Hadamard rotation folded into the float weights (QuaRot-style)"
+ALGORITHM = register("rotation", RotationConfig, Role.ROTATION, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

@@ -5,12 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from quantkit.format.scheme import QuantScheme
-from quantkit.quantization.methods.hooks import Hooks, Parking, Solved
+from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, register
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
 from quantkit.quantization.solvers.grid import quantize_rtn
 
 
@@ -20,30 +17,15 @@ class RTNConfig:
 
 
 class _Hooks(Hooks):
-    def solve(
-        self,
-        config: Any,
-        weights: list[torch.Tensor],
-        hessian: torch.Tensor | None,
-        scheme: QuantScheme,
-        storage: torch.dtype,
-        names: list[str],
-        parking: Parking | None = None,
-    ) -> Solved:
+    def solve(self, config: Any, job: SolveJob) -> Solved:
+        scheme = job.scheme
         return [
-            (quantize_rtn(w, scheme, scale_dtype=storage), LayerRecord(name, scheme.name, None, None))
-            for w, name in zip(weights, names, strict=True)
+            (quantize_rtn(w, scheme, scale_dtype=job.storage), LayerRecord(name, scheme.name, None, None))
+            for w, name in zip(job.weights, job.full_names, strict=True)
         ]
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="rtn",
-        config=RTNConfig,
-        role=Role.SOLVER,
-        caps=Capabilities(needs_calibration=False, records=(LayerRecord,)),
-        hooks=_Hooks(),
-        switch=Switch("method"),
-        summary="round-to-nearest: data-free, each weight rounded to its group's grid",
-    )
-)
+SWITCH = Switch("method")
+CAPS = Capabilities(needs_calibration=False, records=(LayerRecord,))
+SUMMARY = "round-to-nearest: data-free, each weight rounded to its group's grid"
+ALGORITHM = register("rtn", RTNConfig, Role.SOLVER, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

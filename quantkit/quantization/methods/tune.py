@@ -9,7 +9,8 @@ from typing import Any, ClassVar
 
 from quantkit.errors import QuantkitError
 from quantkit.quantization.methods.hooks import BlockWork, Hooks
-from quantkit.quantization.methods.registry import Algorithm, Capabilities, Role, Switch, option, register
+from quantkit.quantization.methods.records import kind_dict
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.tune import OPTIMIZERS, Optimizer, tune_block
 
 # Learning rates at the start of the linear decay, the same for any number of steps: rates that shrink with the
@@ -58,12 +59,7 @@ class TuneRecord:
     kept: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.KIND} | {
-            "loss_before": self.loss_before,
-            "loss_after": self.loss_after,
-            "steps": self.steps,
-            "kept": self.kept,
-        }
+        return kind_dict(self)
 
 
 class _Hooks(Hooks):
@@ -89,14 +85,7 @@ class _Hooks(Hooks):
         return [TuneRecord(work.prefix, result.loss_before, result.loss_after, result.steps, result.kept)]
 
 
-ALGORITHM = register(
-    Algorithm(
-        name="tune",
-        config=TuneConfig,
-        role=Role.TUNE,
-        caps=Capabilities(needs_float_path=True, reads_solved_block=True, records=(TuneRecord,)),
-        hooks=_Hooks(),
-        switch=Switch("field", field="steps", off=0),
-        summary="block-output tuning: rounding and scales fitted to the float block's output",
-    )
-)
+SWITCH = Switch("field", field="steps", off=0)
+CAPS = Capabilities(needs_float_path=True, reads_solved_block=True, records=(TuneRecord,))
+SUMMARY = "block-output tuning: rounding and scales fitted to the float block's output"
+ALGORITHM = register("tune", TuneConfig, Role.TUNE, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

@@ -22,9 +22,10 @@ Clipping follows (:mod:`quantkit.quantization.solvers.awq_clip`); the block driv
 Searches quantize with the linear's scheme minus ``mse_clip`` (the final RTN/GPTQ pass applies it), with scales
 rounded to ``scale_dtype`` as the checkpoint will store them.
 
-Cost (SmolLM2-shaped block, one CPU thread): ~2 s with ``objective="linear", search_samples=8`` and ~2.8 s with
-``objective="module", search_samples=2``; the module objective grows linearly with ``search_samples``. The
-defaults (linear objective, first 8 samples) are quantkit's: ``--method awq`` and recipes use them as they are.
+Cost: the linear objective scores every candidate through Gram matrices, so only the capture that feeds them
+grows with ``search_samples``; the module objective runs the module again for every candidate and grows linearly
+with ``search_samples``. Hence the defaults (linear objective, first 8 samples), quantkit's own: ``--method awq``
+and recipes use them as they are. The timings are in docs/benchmarks.md.
 """
 
 from __future__ import annotations

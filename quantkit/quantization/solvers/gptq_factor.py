@@ -64,7 +64,7 @@ def factor_in_place(buf: torch.Tensor) -> torch.Tensor | None:
 
 def all_finite(m: torch.Tensor) -> bool:
     """Whether every entry of ``m`` is finite, checked a chunk of rows at a time: ``torch.isfinite`` of a whole
-    [K, K] matrix holds about 1.7 times its size in temporaries (448 MB at K = 8192)."""
+    [K, K] matrix makes whole-matrix temporaries (a float copy and boolean masks) larger than the matrix itself."""
     rows = m.reshape(-1, m.shape[-1]) if m.ndim else m.reshape(1, 1)
     step = max(1, _FINITE_CHUNK // max(1, rows.shape[1]))
     return all(bool(torch.isfinite(rows[i : i + step]).all()) for i in range(0, rows.shape[0], step))

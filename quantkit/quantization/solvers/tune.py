@@ -16,17 +16,15 @@ float model's own output at this block, so a block also makes up for the error o
 on ``batch_windows`` calibration windows per step drawn with a seeded generator, optimised by Adam (default)
 or signed gradient descent with learning rates decaying linearly to 0 (AutoRound's schedule). The parameters
 after the last step are kept: the rates have decayed to 0 there. (Keeping the step with the lowest batch loss, as
-AutoRound does, picks a lucky window when a batch is one window of 512 tokens, not better parameters: on block 15
-of a W4 run, 200 steps kept that way lowered the block's error by 4%, the last step's parameters by 29%.) At the
-end the returned weights (integer codes, scales rounded to the storage dtype: exactly what the checkpoint stores)
-are scored on all windows and returned only when they score strictly lower than the starting weights, so tuning
-never increases the block's calibration error. Losses are taken on outputs rounded to the inputs' dtype, as the
-next block reads them; each step's batch loss relative to the starting weights' on the same windows is kept as
-the history.
+AutoRound does, picks a lucky window when a batch is one window, not better parameters; the comparison is in
+docs/benchmarks.md.) At the end the returned weights (integer codes, scales rounded to the storage dtype: exactly
+what the checkpoint stores) are scored on all windows and returned only when they score strictly lower than the
+starting weights, so tuning never increases the block's calibration error. Losses are taken on outputs rounded
+to the inputs' dtype, as the next block reads them; each step's batch loss relative to the starting weights' on
+the same windows is kept as the history.
 
-Defaults, measured on SmolLM2-135M's blocks 0, 5 and 15 (real activations, W4 g64 sym from round-to-nearest,
-40 windows of 512 tokens): Adam lowered the block-output MSE by 72-77% in 100 steps, signed descent with the
-same learning rates by 60-76%; 100 steps of one window took about 9 s on 2 otherwise idle CPU cores.
+Adam is the default because it lowers the block-output error further than signed descent at the same learning
+rates and step count; the comparison and the time tuning adds per block are in docs/benchmarks.md.
 
 Everything runs in float32 on the block's device; no global RNG is touched; same inputs, same bits.
 """
@@ -46,9 +44,8 @@ from quantkit.quantization.solvers.grid import _round_scale
 
 # |V| bound: codes move at most one grid step from their starting value (see the module docstring).
 CODE_OFFSET = 1.0
-# Bounds of the per-group scale multiplier M (it stops a diverging step; it is no clipping search). Tuned
-# multipliers on SmolLM2's blocks had 1st / 99th percentiles of 0.81-0.88 / 1.10-1.16; with bounds of +-50%
-# the loss changed by under 1%.
+# Bounds of the per-group scale multiplier M (it stops a diverging step; it is no clipping search): wide enough
+# that tuned multipliers stay well inside them, so the bound hardly shapes the result.
 SCALE_RANGE = (0.75, 1.25)
 Optimizer = Literal["sign", "adam"]
 OPTIMIZERS: tuple[str, ...] = ("sign", "adam")

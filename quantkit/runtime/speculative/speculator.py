@@ -21,8 +21,11 @@ class Speculator:
         self.stats = SpeculationStats()
 
     def budget(self, seq: Sequence) -> int:
-        """Drafts worth proposing: the step adds accepted drafts + 1 token, within max_tokens and the context."""
+        """Drafts worth proposing: the step adds accepted drafts + 1 token, within max_tokens and the context; none
+        for a request whose logits logit_bias or min_tokens change."""
         params = seq.sampling_params
+        if params.logit_bias or seq.num_completion_tokens < params.min_tokens:
+            return 0  # verification compares raw target logits: requests that change them are not speculated
         room = min(params.max_tokens - seq.num_completion_tokens, self.max_model_len - seq.num_tokens) - 1
         return max(0, min(self.num_tokens, room))
 

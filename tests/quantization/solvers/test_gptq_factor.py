@@ -6,18 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.matrices import spd
 
 from quantkit.quantization.solvers import gptq_factor
 from quantkit.quantization.solvers.gptq_factor import factor_in_place, fill_working
-
-
-def _spd(k: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(3 * k, k, generator=gen) * (0.1 + torch.rand(k, generator=gen))
-    h = 2.0 * x.T @ x / x.shape[0]
-    h = torch.triu(h) + torch.triu(h, diagonal=1).T  # exactly symmetric, as HessianStat gives it
-    h.diagonal().add_(0.01 * float(h.diagonal().mean()))
-    return h
 
 
 def _reference_factor(h: torch.Tensor) -> torch.Tensor:
@@ -28,7 +20,7 @@ def _reference_factor(h: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", [1, 97, 300])
 def test_the_in_place_factor_is_bit_identical_in_values_and_layout(k: int) -> None:
-    h = _spd(k)
+    h = spd(k)
     expected = _reference_factor(h)
     buf = h.clone()
     u = factor_in_place(buf)
@@ -37,7 +29,7 @@ def test_the_in_place_factor_is_bit_identical_in_values_and_layout(k: int) -> No
 
 
 def test_a_matrix_that_is_not_positive_definite_gives_none() -> None:
-    h = _spd(16)
+    h = spd(16)
     h[3, 3] = -1.0
     assert factor_in_place(h.clone()) is None
     h[3, 3] = float("nan")
@@ -46,7 +38,7 @@ def test_a_matrix_that_is_not_positive_definite_gives_none() -> None:
 
 def test_the_working_copy_equals_permute_then_isolate_dead_columns(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gptq_factor, "_CHUNK_ELEMENTS", 50)  # several row chunks at K = 40
-    h = _spd(40)
+    h = spd(40)
     perm = torch.randperm(40, generator=torch.Generator().manual_seed(1))
     dead = torch.zeros(40, dtype=torch.bool)
     dead[[5, 17]] = True
@@ -55,7 +47,7 @@ def test_the_working_copy_equals_permute_then_isolate_dead_columns(monkeypatch: 
     expected[dead, dead] = 1
     assert torch.equal(fill_working(None, h, perm, dead), expected)
     reused = torch.full_like(h, float("nan"))
-    assert torch.equal(fill_working(reused, h, perm, dead), expected) and torch.equal(h, _spd(40))
+    assert torch.equal(fill_working(reused, h, perm, dead), expected) and torch.equal(h, spd(40))
     assert torch.equal(fill_working(None, h, None, torch.zeros(40, dtype=torch.bool)), h)
 
 

@@ -1,0 +1,77 @@
+"""The docs state facts the code holds; each is checked against the code, so the two cannot drift: the README's
+commands are the ones CI runs, the option table of docs/cli.md is generated from the configs, the import rules in
+docs/internals.md are the test's, docs/benchmarks.md (and the README's comparison table) are the recorded tables
+rendered, and the presets, methods and defaults the docs name exist."""
+
+from __future__ import annotations
+
+import re
+
+from helpers.paths import REPO
+from test_import_rules import ALLOWED, FOUNDATION
+
+from quantkit.format.presets import PRESETS
+from quantkit.quantization.methods.composition import method_spellings
+from quantkit.quantization.options import options_markdown
+from quantkit.server.smoke import SMOKE_MAX_TOKENS
+
+README = (REPO / "README.md").read_text()
+DOCS = REPO / "docs"
+
+
+def _between(text: str, name: str) -> str:
+    return text.split(f"<!-- {name}:start -->\n", 1)[1].split(f"\n<!-- {name}:end -->", 1)[0]
+
+
+def _bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)\n```", text, flags=re.S)
+
+
+def test_the_readme_is_a_front_page_that_starts_with_the_two_commands() -> None:
+    assert len(README.splitlines()) <= 150
+    install_run, install_test = _bash_blocks(README)[:2]
+    assert "quantkit quantize smollm2-135m" in install_run and install_run.startswith("pip install torch==2.13.0")
+    ci = (REPO / ".ci" / "run").read_text().replace("pip install -q ", "pip install ")  # quiet in CI
+    for step in install_test.split(" && "):
+        if step.startswith("python -m pytest"):  # .ci/run runs the same pytest command, one marker at a time
+            marker = re.search(r'-p no:cacheprovider -m "([^"]+)"', step) or re.search(r"cacheprovider -m (\w+)", step)
+            assert marker is not None and f'test_step "{marker.group(1)}"' in ci, step
+            assert "python -m pytest -q -p no:cacheprovider -m" in ci
+        else:
+            assert step in ci, step
+
+
+def test_every_doc_the_readme_links_exists() -> None:
+    for target in re.findall(r"\]\((docs/[\w.]+\.md)", README):
+        assert (REPO / target).is_file(), target
+
+
+def test_the_quantize_option_table_is_the_configs() -> None:
+    assert _between((DOCS / "cli.md").read_text(), "quantize-options") == options_markdown()
+
+
+def test_the_import_rules_in_internals_are_the_tests() -> None:
+    table = _between((DOCS / "internals.md").read_text(), "import-rules")
+    documented = {}
+    for line in table.splitlines()[2:]:
+        area, allowed = (cell.strip() for cell in line.strip("|").split("|"))
+        documented[area.strip("`")] = set(re.findall(r"`([\w.]+)`", allowed))
+    enforced = {area: rules for area, rules in ALLOWED.items() if area not in FOUNDATION}
+    assert documented == enforced
+
+
+def test_the_benchmark_page_and_the_readme_table_are_the_recorded_tables() -> None:
+    from benchmarks.render import PAGE, render, render_readme
+
+    assert PAGE.read_text() == render()
+    assert render_readme(README) == README
+
+
+def test_presets_methods_and_defaults_the_docs_name_exist() -> None:
+    cli, recipes = (DOCS / "cli.md").read_text(), (DOCS / "recipes.md").read_text()
+    for name in PRESETS:
+        assert name in cli
+    for spelling in method_spellings():
+        assert f"`{spelling}`" in cli
+    assert f"max_tokens: {SMOKE_MAX_TOKENS}" in (REPO / "quantkit" / "recipes" / "starter.py").read_text()
+    assert "`solvers`" in recipes and "{gptq: {}}" in recipes

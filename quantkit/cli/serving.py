@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from quantkit.cli.app import JsonOption, app, fail, out, write_json_option
-from quantkit.cli.engine_options import engine_options
+from quantkit.cli.engine_options import engine_options, serve_options
 from quantkit.memory import keep_freed_memory_for_reuse
 from quantkit.runtime.config import EngineConfig
 from quantkit.server.config import ServeConfig
@@ -17,50 +18,16 @@ from quantkit.server.smoke import SMOKE_MAX_TOKENS
 
 @app.command()
 @engine_options
+@serve_options
 def serve(
     model: Annotated[str, typer.Argument(help="Quantized checkpoint, HF model directory, hub id or alias.")],
+    server: ServeConfig,
     engine: EngineConfig,
-    host: Annotated[str, typer.Option(help="Address to listen on.")] = ServeConfig.host,
-    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = ServeConfig.port,
-    api_key: Annotated[
-        str | None, typer.Option(envvar="QUANTKIT_API_KEY", help="Require this bearer token (not on /health).")
-    ] = ServeConfig.api_key,
-    max_queue: Annotated[
-        int, typer.Option(help="Requests waiting beyond the running batch; more get 429.")
-    ] = ServeConfig.max_queue,
-    served_model_name: Annotated[
-        str | None,
-        typer.Option(
-            help="Model name clients send and see in /v1/models and responses (default: the alias, the model "
-            "directory's name or the hub id; never a local path)."
-        ),
-    ] = ServeConfig.served_model_name,
-    drain_timeout: Annotated[
-        float, typer.Option(help="Seconds running requests get after SIGTERM.")
-    ] = ServeConfig.drain_timeout,
-    max_body_bytes: Annotated[
-        int, typer.Option(help="Largest request body in bytes; a bigger one gets 413.")
-    ] = ServeConfig.max_body_bytes,
-    body_timeout: Annotated[
-        float, typer.Option(help="Seconds a client has to send its whole request body; a slower one gets 408.")
-    ] = ServeConfig.body_timeout,
-    log_level: Annotated[str, typer.Option(help="uvicorn log level.")] = ServeConfig.log_level,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics)."""
     from quantkit.server.runner import serve as run_server
 
-    config = ServeConfig(
-        host=host,
-        port=port,
-        served_model_name=served_model_name,
-        api_key=api_key,
-        max_queue=max_queue,
-        drain_timeout=drain_timeout,
-        max_body_bytes=max_body_bytes,
-        body_timeout=body_timeout,
-        log_level=log_level,
-        engine=engine,
-    )
+    config = dataclasses.replace(server, engine=engine)
     keep_freed_memory_for_reuse()  # the decode loop reuses the same temporaries (quantkit/memory.py)
     run_server(model, config)
 

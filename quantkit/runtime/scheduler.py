@@ -8,10 +8,15 @@ Each step is either a prefill batch or a decode batch (``SchedulerOutput.is_pref
   ``max_num_seqs`` running sequences, ``max_num_batched_tokens`` uncached tokens and free blocks.
   A prefill allocates blocks for the whole sequence even when only a chunk of it runs this step.
 * Otherwise every running sequence decodes one token, oldest arrival first. One that cannot get a
-  block for its next token preempts the most recently arrived running sequence (or itself when it is
-  the newest): the victim's blocks are freed and it goes back to the front of ``waiting`` with its
-  generated tokens, so it is later re-prefilled as prompt + generated-so-far (its full blocks are
-  usually still in the prefix cache). A preempted sequence keeps its arrival stamp and so its priority.
+  block for its next token preempts the most recently arrived running sequence of the tenant holding the most
+  (with one tenant: the most recently arrived, or itself when it is the newest): the victim's blocks are freed
+  and it goes back to the front of ``waiting`` with its generated tokens, so it is later re-prefilled as
+  prompt + generated-so-far (its full blocks are usually still in the prefix cache). A preempted sequence keeps
+  its arrival stamp and so its priority.
+* Fair shares: when the next waiting sequence does not fit (batch full, or too few free blocks) and another tenant
+  runs more than one sequence more than its tenant, that tenant's newest running sequence yields (preempted back
+  into its tenant's queue), so that a tenant that filled the batch while nobody else waited gives way as soon as
+  others arrive.
 
 The caller loop is ``out = schedule()``; run the model on ``out``; ``postprocess(out.seqs, sampled)``.
 """
@@ -148,13 +153,20 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(n)
                 budget -= n
-        # 2. Admit waiting sequences in the queue's order; stop at the first that does not fit.
+        # 2. Admit waiting sequences in the queue's order; stop at the first that does not fit, unless a tenant holding
+        # more than one sequence more than its tenant yields one (fair shares of the batch between tenants).
         running = Counter(s.tenant for s in self.running)
-        while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+        yielded: list[Sequence] = []
+        while self.waiting and budget > 0:
             seq = self.waiting.peek(running)
             assert seq is not None
-            if not bm.can_allocate(seq):
-                break
+            if len(self.running) >= cfg.max_num_seqs or not bm.can_allocate(seq):
+                victim = self._over_share(running, seq.tenant, set(seqs))
+                if victim is None:
+                    break
+                self._yield(victim, running)
+                yielded.append(victim)
+                continue
             uncached = seq.num_tokens - bm.num_cached_tokens(seq)
             if uncached > budget and not cfg.enable_chunked_prefill:
                 break
@@ -167,7 +179,24 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return SchedulerOutput(seqs, True, counts)
+        return SchedulerOutput(seqs, True, counts, yielded)
+
+    def _over_share(self, running: Counter[str], tenant: str, busy: set[Sequence]) -> Sequence | None:
+        """The newest running sequence (not in ``busy``) of the tenant running the most, if that is more than one
+        more than ``tenant`` runs: it yields its slot and blocks to ``tenant``'s waiting sequence."""
+        heavy, held = max(running.items(), key=lambda kv: kv[1], default=(tenant, 0))
+        if held <= running[tenant] + 1:
+            return None
+        victims = [s for s in self.running if s.tenant == heavy and s not in busy]
+        return max(victims, key=lambda s: s.arrival, default=None)
+
+    def _yield(self, seq: Sequence, running: Counter[str]) -> None:
+        """Preempt a running sequence for fairness: back into its tenant's queue (where its arrival puts it first)."""
+        self.running.remove(seq)
+        running[seq.tenant] -= 1
+        self.block_manager.deallocate(seq)  # everything is recomputed (its full blocks stay in the prefix cache)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.push(seq)
 
     def _schedule_decode(self) -> SchedulerOutput:
         bm = self.block_manager
@@ -176,10 +205,15 @@ class Scheduler:
         batch: list[Sequence] = []
         preempted: list[Sequence] = []
         limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        held = Counter(s.tenant for s in pending)
         while pending and len(batch) < limit:
             seq = pending.popleft()
             while not bm.can_append(seq):
-                victim = pending.pop() if pending else seq
+                # the newest sequence of the tenant holding the most (one tenant: the newest arrival)
+                victim = max([*pending, seq], key=lambda s: (held[s.tenant], s.arrival))
+                if victim is not seq:
+                    pending.remove(victim)
+                held[victim.tenant] -= 1
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:

@@ -7,6 +7,7 @@ error objects (:mod:`quantkit.server.errors`) and the OpenAPI document (:mod:`qu
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,15 +42,19 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
     name = config.served_model_name or default_name
     local = [engine.path, given, config.engine.draft_model]
     redact = path_redactor(str(p) for p in local if p is not None)
+    tenants = {key: f"key-{i + 1}" for i, key in enumerate(config.api_keys)}
     state = ServerState(
         engine=AsyncEngine(engine, config.max_queue, counters, redact),
         tokenizer=PromptTokenizer(engine.tokenizer),
         metrics=counters,
         model_name=name,
         max_model_len=engine.max_model_len,
-        api_key=config.api_key,
-        max_body_bytes=config.max_body_bytes,
+        vocab_size=engine.model.config.vocab_size,
+        max_body_bytes=config.resolved_max_body_bytes(engine.max_model_len),
         body_timeout=config.body_timeout,
+        max_header_bytes=config.max_header_bytes,
+        api_keys={key.encode(): tenant for key, tenant in tenants.items()},
+        cache_salts={tenant: _salt(key) for key, tenant in tenants.items()} if config.salts_cache_per_key else {},
     )
 
     @asynccontextmanager
@@ -61,11 +66,17 @@ def create_app(engine_or_model: Engine | str | Path, config: ServeConfig | None 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.openapi = openapi_document(app.openapi, name, engine.max_model_len)  # type: ignore[method-assign]
     app.state.server = state
+    app.state.config = config
     app.add_middleware(Gate, state=state)
     add_error_handlers(app)
     for routes in (info, metrics, generation):
         app.include_router(routes.router)
     return app
+
+
+def _salt(key: str) -> bytes:
+    """A key's prefix-cache salt: derived from the key, so it is secret as the key is, and stable across restarts."""
+    return hashlib.blake2b(key.encode(), digest_size=16, person=b"quantkit-salt").digest()
 
 
 def default_served_name(model: str | Path) -> str:

@@ -16,7 +16,6 @@ then is queued on the engine (:meth:`AsyncEngine.submit`), then its outputs are 
 from __future__ import annotations
 
 import asyncio
-import logging
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +31,6 @@ from quantkit.server.protocol import APIError, internal_error, scrub_paths
 
 __all__ = ["AsyncEngine", "EngineStats", "bad_request"]
 
-_log = logging.getLogger(__name__)
 _DISCONNECT_POLL_S = 1.0  # a request waiting for output checks its client this often
 
 
@@ -107,9 +105,10 @@ class AsyncEngine(EngineThread):
     ) -> None:
         """Queue a reserved request on the engine; APIError 400 when the engine refuses it."""
         req = self._requests.get(rid)
-        if req is None or req.error is not None:
+        assert req is not None, "submit() takes a request reserve() returned"
+        if req.error is not None:  # pushed out (or the server closed) while it was tokenized
             self.cleanup(rid, finished=True)
-            raise req.error if req is not None and req.error is not None else APIError(400, "unknown request")
+            raise req.error
 
         def add(engine: Engine) -> None:
             if req.error is None:  # not pushed out meanwhile (its abort is queued after this command)
@@ -124,15 +123,17 @@ class AsyncEngine(EngineThread):
             self.cleanup(rid, finished=True)
             raise
 
-    async def wait_started(self, rid: str, is_disconnected: Callable[[], Awaitable[bool]]) -> bool:
-        """Wait for the request's first output (or its error, raised as APIError); False when the client left."""
+    async def wait_started(self, rid: str, is_disconnected: Callable[[], Awaitable[bool]]) -> RequestOutput | None:
+        """The request's first output, left unread (its error is raised as APIError); None when the client left."""
         req = self._requests.get(rid)
         while req is not None and req.latest is None and req.error is None:
             if not await self._wait(req, is_disconnected):
-                return False
-        if req is not None and req.error is not None:
+                return None
+        if req is None:
+            return None
+        if req.error is not None:
             raise req.error
-        return req is not None
+        return req.latest
 
     async def outputs(
         self, rid: str, is_disconnected: Callable[[], Awaitable[bool]] | None = None
@@ -207,8 +208,9 @@ class AsyncEngine(EngineThread):
         return False
 
     def _fail_all(self, error: Callable[[_Request], APIError]) -> None:
+        """End every request the engine still works on (one it has finished keeps its answer)."""
         for req in self._requests.values():
-            if req.error is None:
+            if req.error is None and not req.released:
                 req.error = error(req)
                 req.wake.set()
 

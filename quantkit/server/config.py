@@ -47,11 +47,14 @@ class ServeConfig:
         "Model name clients send and see in /v1/models and responses (default: the alias, the model directory's "
         "name or the hub id; never a local path).",
     )
-    api_key: list[str] | None = _option(
-        None,
-        "Require this bearer token on every route but /health. Repeat for several keys: each key's requests share "
-        "the waiting queue fairly with the others' and, by default, get a prefix cache of their own.",
-        envvar="QUANTKIT_API_KEY",
+    api_key: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Require this bearer token on every route but /health. Repeat for several keys: each key's "
+            "requests share the waiting queue fairly with the others' and, by default, get a prefix cache of their "
+            "own.",
+            "envvar": "QUANTKIT_API_KEY",
+        },
     )
     cache_salt_per_key: bool | None = _option(
         None,

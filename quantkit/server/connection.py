@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ class ConnectionLimits:
     header_timeout: float
     write_timeout: float
     max_connections: int
+    max_header_bytes: int
 
 
 def guarded_protocol(limits: ConnectionLimits, metrics: Metrics) -> type[H11Protocol]:
@@ -87,14 +89,13 @@ class _GuardedH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._head_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # received since the last request head was complete
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):  # not a TCP socket (a unix socket): nothing to bound
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-            except OSError:  # not a TCP socket (tests, unix sockets): nothing to bound
-                pass
         super().connection_made(_DeadlineTransport(transport, self.loop, self.limits.write_timeout))  # type: ignore[arg-type]
         if len(self.connections) > self.limits.max_connections:
             self.metrics.connections_refused += 1
@@ -104,11 +105,18 @@ class _GuardedH11Protocol(H11Protocol):
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._head_timer is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
+        waiting = self.cycle is None or self.cycle.response_complete  # for a request head
+        if waiting:
+            if self._head_timer is None:
+                self._arm_head_timer()  # the first bytes of the next request on a kept-alive connection
+            self._head_bytes += len(data)
+        cycle = self.cycle
         super().data_received(data)
-        if self._head_timer is not None and self.cycle is not None and not self.cycle.response_complete:
-            self._cancel("_head_timer")  # a whole request head arrived: the body has its own timeout (the gate)
+        if self.cycle is not cycle:  # a whole request head arrived: the body has its own timeout (the gate)
+            self._cancel("_head_timer")
+            self._head_bytes = 0
+        elif waiting and self._head_bytes > self.limits.max_header_bytes and not self.transport.is_closing():
+            self.send_400_response("request head too large")  # h11 limits a head it receives in pieces only
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel("_head_timer")

@@ -102,10 +102,9 @@ class EngineThread:
     def _run(self) -> None:
         try:
             self._serve()
-        except BaseException:
+        except BaseException:  # logged here; the thread ends, and the event loop learns of it
             _log.exception("the engine thread died; the server answers 503 until it is restarted")
             self._call_soon(self._died, None)
-            raise
 
     def _died(self, _: None) -> None:
         self.dead = True

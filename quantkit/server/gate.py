@@ -1,5 +1,6 @@
-"""The outermost middleware: 503 while draining, 401 without the API key, the request body read whole under a size
-and a time limit (413 / 408) before anything parses it, and every request counted by route and status."""
+"""The outermost middleware: 400 for a request head over --max-header-bytes, 503 while draining, 401 without an API key
+(and the request's tenant: which key sent it), the request body read whole under a size and a time limit (413 / 408)
+before anything parses it, and every request counted by route and status."""
 
 from __future__ import annotations
 
@@ -43,20 +44,45 @@ class Gate:
                 await self.app(scope, receive, counted)
             else:
                 headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+                if error.status in (408, 413):  # the rest of the body is never read: close, do not drain it
+                    headers = {"Connection": "close"}
                 await JSONResponse(error.body(), error.status, headers)(scope, receive, counted)
         finally:
             self.state.metrics.count_request(path if path in ROUTES else "other", status)
 
     def _refuse(self, scope: Scope, path: str) -> APIError | None:
-        key = self.state.api_key
-        if key is not None and path != "/health":
-            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
-            # the scheme is case-insensitive (RFC 9110); the key is compared as the UTF-8 bytes sent
-            if not (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), key.encode())):
-                return APIError(401, "invalid or missing API key", code="invalid_api_key")
+        head = len(scope.get("raw_path", b"")) + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > self.state.max_header_bytes:  # arrived whole: the protocol limits a head arriving in pieces
+            return APIError(
+                400, f"the request head has {head} bytes, more than the server's --max-header-bytes "
+                f"({self.state.max_header_bytes}); send fewer or shorter headers", code="invalid_http_request",
+            )  # fmt: skip
+        keys = self.state.api_keys
+        if keys and path != "/health":
+            tenant = _tenant(keys, dict(scope["headers"]).get(b"authorization", b""))
+            if tenant is None:
+                return APIError(
+                    401, "invalid or missing API key; send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )  # fmt: skip
+            scope.setdefault("state", {})["tenant"] = tenant  # request.state.tenant in the routes
         if self.state.draining and path.startswith("/v1/"):
             return APIError(503, "the server is shutting down", "server_error", code="shutting_down")
         return None
+
+
+def _tenant(keys: dict[bytes, str], authorization: bytes) -> str | None:
+    """The tenant of the key in a ``Bearer <key>`` header; None when it names no key. The scheme is case-insensitive
+    (RFC 9110); the key is compared as the UTF-8 bytes sent, against every key in constant time."""
+    scheme, _, token = authorization.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    token = token.strip()
+    found = None
+    for key, tenant in keys.items():
+        if hmac.compare_digest(token, key):
+            found = tenant
+    return found
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) -> bytes | APIError:
@@ -64,7 +90,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
     Content-Length before anything is read, else once the bytes read pass it (nothing is parsed before); a 408
     error when the whole body has not arrived within ``timeout`` seconds (a slow client holds no connection)."""
     too_big = APIError(
-        413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes)",
+        413, f"the request body is larger than {limit} bytes (the server's --max-body-bytes); send a smaller body",
         param=None, code="request_too_large",
     )  # fmt: skip
     length = dict(scope["headers"]).get(b"content-length", b"")
@@ -78,8 +104,8 @@ async def read_body(scope: Scope, receive: Receive, limit: int, timeout: float) 
             message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
         except TimeoutError:
             return APIError(
-                408, f"the request body did not arrive within {timeout:g} s (the server's --body-timeout)",
-                param=None, code="request_timeout",
+                408, f"the request body did not arrive within {timeout:g} s (the server's --body-timeout); send "
+                "it at once", param=None, code="request_timeout",
             )  # fmt: skip
         if message["type"] != "http.request":  # the client left: the app sees an empty body and its disconnect
             break

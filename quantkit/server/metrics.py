@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_MAX_PRIORITY_LABELS = 16  # distinct priorities with a series of their own; the rest share priority="other"
 
 # name -> (type, help, getter): series read when scraped (from the engine's latest stats)
 Sampled = dict[str, tuple[str, str, Callable[[], float]]]
@@ -56,6 +58,12 @@ class Metrics:
     ttft: Histogram = field(default_factory=lambda: Histogram(_TTFT_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(_TPOT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(_E2E_BUCKETS))
+    queue_time: dict[str, Histogram] = field(default_factory=dict)  # priority label -> arrival to first scheduled
+    request_errors: int = 0  # requests the engine finished with an error
+    pushed_out: int = 0  # waiting requests refused (429) to make room for a key holding fewer
+    connections_refused: int = 0  # over --max-connections
+    header_timeouts: int = 0  # connections closed for not sending a request head within --header-timeout
+    write_timeouts: int = 0  # connections cut because their client read nothing for --write-timeout
 
     def count_request(self, route: str, code: int) -> None:
         self.requests[route, code] = self.requests.get((route, code), 0) + 1
@@ -76,6 +84,12 @@ class Metrics:
         if finish is not None:
             self.e2e.observe(finish - arrival)
 
+    def observe_queue(self, priority: int, seconds: float) -> None:
+        label = str(priority)
+        if label not in self.queue_time and len(self.queue_time) >= _MAX_PRIORITY_LABELS:
+            label = "other"  # a client choosing priorities cannot grow the number of series without bound
+        self.queue_time.setdefault(label, Histogram(_QUEUE_BUCKETS)).observe(max(seconds, 0.0))
+
     def render(self, model_name: str, sampled: Sampled) -> str:
         """``sampled``: name -> (type, help, getter), read now; a ``vllm:`` name gets the ``model_name`` label."""
         model = f'model_name="{_escape(model_name)}"'
@@ -88,6 +102,17 @@ class Metrics:
             ("vllm:generation_tokens_total", "Generated tokens.", self.generation_tokens),
         ):
             lines += [f"# HELP {name} {help_}", _type(name), f"{name}{{{model}}} {value}"]
+        for name, help_, value in (
+            ("quantkit_request_errors_total", "Requests the engine finished with an error.", self.request_errors),
+            ("quantkit_requests_pushed_out_total", "Waiting requests refused (429) to make room for an API key "
+             "holding fewer.", self.pushed_out),
+            ("quantkit_connections_refused_total", "Connections over --max-connections.", self.connections_refused),
+            ("quantkit_header_timeouts_total", "Connections closed for a request head slower than "
+             "--header-timeout.", self.header_timeouts),
+            ("quantkit_write_timeouts_total", "Connections cut (their request aborted) because the client read "
+             "nothing for --write-timeout.", self.write_timeouts),
+        ):  # fmt: skip
+            lines += [f"# HELP {name} {help_}", _type(name), f"{name} {value}"]
         name = "vllm:request_success_total"
         lines += [f"# HELP {name} Requests finished without error, by finish reason.", _type(name)]
         for reason in sorted({"stop", "length", *self.finished}):
@@ -101,6 +126,10 @@ class Metrics:
             ("vllm:e2e_request_latency_seconds", "Arrival to the last generated token.", self.e2e),
         ):
             lines += [f"# HELP {name} {help_}", f"# TYPE {name} histogram", *hist.lines(name, model)]
+        name = "vllm:request_queue_time_seconds"
+        lines += [f"# HELP {name} Arrival to first scheduled, by priority.", f"# TYPE {name} histogram"]
+        for label, hist in sorted(self.queue_time.items()):
+            lines += hist.lines(name, f'{model},priority="{_escape(label)}"')
         return "\n".join(lines) + "\n"
 
 

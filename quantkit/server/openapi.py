@@ -16,10 +16,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {**_ERROR, "description": "Bad request: malformed JSON, a wrong type, a value out of range, invalid "
           "Unicode, an unknown model, or a prompt that does not fit the context."},
     401: {**_ERROR, "description": "Missing or wrong API key."},
-    408: {**_ERROR, "description": "The request body did not arrive within the server's --body-timeout."},
+    408: {**_ERROR, "description": "The request head or body did not arrive within the server's --header-timeout "
+          "or --body-timeout."},
     413: {**_ERROR, "description": "The request body is larger than the server's --max-body-bytes."},
-    429: {**_ERROR, "description": "The server queue is full; retry later."},
-    503: {**_ERROR, "description": "The server is shutting down."},
+    429: {**_ERROR, "description": "The server queue is full (or the request made room for an API key holding "
+          "fewer requests); retry later."},
+    500: {**_ERROR, "description": "The server failed on the request; the message names the request id to look up "
+          "in the server log."},
+    503: {**_ERROR, "description": "The server is shutting down, its engine is not running, or it has too many "
+          "open connections."},
 }  # fmt: skip
 
 # One server-sent event: `data:` holds a JSON chunk, or [DONE] last.

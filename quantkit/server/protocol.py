@@ -70,6 +70,15 @@ def path_redactor(paths: Iterable[str]) -> Callable[[str], str]:
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's default limit)
 
 
+def invalid_unicode(where: str, at: int | None = None) -> APIError:
+    """A string holding a lone UTF-16 surrogate (``"\\ud800"``): no tokenizer or UTF-8 encoder accepts it."""
+    position = f" at character {at}" if at is not None else ""
+    return APIError(
+        400, f"{where}: invalid Unicode (a lone UTF-16 surrogate{position}); send valid UTF-8 text",
+        param=where.split(".", 1)[0] or None, code="invalid_unicode",
+    )  # fmt: skip
+
+
 def internal_error(request_id: str, status: int = 500) -> APIError:
     """What a client sees when the server failed on its request: no exception text (it may name devices, memory or
     paths), the request id to find the details in the server log."""

@@ -17,6 +17,7 @@ from fastapi import FastAPI
 
 from quantkit.server.app import create_app
 from quantkit.server.config import ServeConfig
+from quantkit.server.connection import ConnectionLimits, guarded_protocol
 from quantkit.server.protocol import APIError
 from quantkit.server.state import ServerState
 
@@ -27,14 +28,32 @@ def serve(model: str | Path, config: ServeConfig) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then drain: refuse new requests (503), let running ones
     finish (up to ``drain_timeout`` seconds) and return. A second signal stops at once."""
     app = create_app(model, config)
-    server = _DrainingServer(_uvicorn_config(app, config.host, config.port, config.log_level), app.state.server)
+    server = _DrainingServer(_uvicorn_config(app, config.host, config.port), app.state.server)
     server.drain_timeout = config.drain_timeout
     server.run()
 
 
-def _uvicorn_config(app: FastAPI, host: str, port: int, log_level: str) -> uvicorn.Config:
+def _uvicorn_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    """uvicorn with the app's connection limits (:class:`ServeConfig`, :mod:`quantkit.server.connection`)."""
+    config: ServeConfig = app.state.config
+    limits = ConnectionLimits(
+        config.header_timeout, config.write_timeout, config.max_connections, config.max_header_bytes
+    )
     return uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=False, timeout_graceful_shutdown=5, lifespan="on"
+        app,
+        host=host,
+        port=port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        http=guarded_protocol(limits, app.state.server.metrics),
+        # Connections over the limit are refused by the protocol, with an error object; uvicorn's own check (a
+        # plain-text 503 for a request when connections or tasks reach its limit) stays behind it, for tasks that
+        # outlive their connection.
+        limit_concurrency=config.max_connections + 1,
+        timeout_keep_alive=config.keep_alive_timeout,
+        h11_max_incomplete_event_size=config.max_header_bytes,
     )
 
 
@@ -102,7 +121,7 @@ class ServerThread:
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         self.app = app
-        self.server = uvicorn.Server(_uvicorn_config(app, host, port, "warning"))
+        self.server = uvicorn.Server(_uvicorn_config(app, host, port))
         self.host = host
         self.port = port
         self._thread = threading.Thread(target=self.server.run, name="quantkit-server", daemon=True)

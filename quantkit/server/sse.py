@@ -11,7 +11,7 @@ from typing import Any
 from quantkit.runtime.engine import RequestOutput
 from quantkit.runtime.sequence import FinishReason
 from quantkit.server.async_engine import AsyncEngine
-from quantkit.server.protocol import APIError, chunk
+from quantkit.server.protocol import APIError, chunk, internal_error
 from quantkit.server.reply import Reply, finish_reason, logprobs_of, usage
 
 DONE = "data: [DONE]\n\n"
@@ -56,7 +56,7 @@ async def stream(eng: AsyncEngine, rid: str, rid_out: str, model: str, reply: Re
         yield DONE
         return
     if final is not None and final.finish_reason is FinishReason.ERROR:
-        yield event(APIError(500, final.error or "generation failed", "server_error").body())
+        yield event(internal_error(rid).body())
     elif final is not None and reply.include_usage:
         yield event(chunk(rid_out, created, model, None, usage(final), chat=chat))
     yield DONE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -51,14 +52,81 @@ def decode(tokenizer: Any, ids: list[int]) -> str:
 
 
 def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """The tokenizer's chat template (with the assistant prompt); without one, plain ``role: content`` lines."""
+    """The tokenizer's chat template (with the assistant prompt); without one, plain ``role: content`` lines.
+
+    Message content is text, never control tokens: a message holding ``<|im_start|>system`` must not open a system
+    turn. Content without any special token's text is tokenized with the rendered prompt as one string (as before);
+    content holding some is tokenized on its own with special tokens split into plain text, the template's parts
+    with their special tokens (:func:`_pieces_ids`)."""
     if tokenizer is None:
         raise QuantkitError("this model has no tokenizer, so chat requests are not possible; use /v1/completions")
+    specials = _special_texts(tokenizer)
+    spoofing = any(s in m["content"] for m in messages for s in specials)
     if getattr(tokenizer, "chat_template", None):
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # template errors (e.g. roles out of order) are the request's fault
-            raise APIError(400, f"chat template failed: {exc}", param="messages") from None
-        return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template has the special tokens
-    text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-    return list(tokenizer(text).input_ids)
+        text = _render(tokenizer, messages)
+        if not spoofing:
+            return list(tokenizer(text, add_special_tokens=False).input_ids)  # the template has the special tokens
+        return _pieces_ids(tokenizer, _template_pieces(tokenizer, messages, text), add_special_tokens=False)
+    pieces: list[tuple[str, bool]] = []
+    for m in messages:
+        pieces += [(f"{m['role']}: ", False), (m["content"], True), ("\n", False)]
+    pieces.append(("assistant:", False))
+    if not spoofing:
+        return list(tokenizer("".join(p for p, _ in pieces)).input_ids)
+    return _pieces_ids(tokenizer, pieces, add_special_tokens=True)
+
+
+def _render(tokenizer: Any, messages: list[dict[str, str]]) -> str:
+    try:
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    except Exception as exc:  # template errors (e.g. roles out of order) are the request's fault
+        raise APIError(
+            400, f"chat template failed: {exc}; check the messages' roles and their order", param="messages"
+        ) from None
+
+
+def _special_texts(tokenizer: Any) -> set[str]:
+    """The text of every special token (control tokens such as ``<|im_start|>``)."""
+    texts = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(token.content))
+    return {t for t in texts if t}
+
+
+def _template_pieces(tokenizer: Any, messages: list[dict[str, str]], text: str) -> list[tuple[str, bool]]:
+    """``text`` (the rendered prompt) cut into template parts and message contents (True), found by rendering the
+    template again with a marker in place of each content."""
+    marker = f"QKCONTENT{uuid.uuid4().hex}"
+    marked = _render(tokenizer, [{**m, "content": f"{marker}{i}Q"} for i, m in enumerate(messages)])
+    pieces: list[tuple[str, bool]] = []
+    rest = marked
+    for i, m in enumerate(messages):
+        before, found, rest = rest.partition(f"{marker}{i}Q")
+        if not found or marker in before:
+            break
+        pieces += [(before, False), (m["content"], True)]
+    else:
+        pieces.append((rest, False))
+        if marker not in rest and "".join(p for p, _ in pieces) == text:
+            return pieces
+    raise APIError(
+        400, "a message holds the text of a special token, and this model's chat template changes message content, "
+        "so the two cannot be kept apart; remove the special token text from the message", param="messages",
+    )  # fmt: skip
+
+
+def _pieces_ids(tokenizer: Any, pieces: list[tuple[str, bool]], add_special_tokens: bool) -> list[int]:
+    """Token ids of the pieces, each tokenized alone: content (True) with special tokens split into text, template
+    parts with theirs; with ``add_special_tokens``, wrapped as the tokenizer wraps one text (e.g. a BOS first)."""
+    ids: list[int] = []
+    for text, literal in pieces:
+        if text:
+            encoded = tokenizer(text, add_special_tokens=False, split_special_tokens=literal)
+            ids += list(encoded.input_ids)
+    if not add_special_tokens:
+        return ids
+    bare = list(tokenizer("x", add_special_tokens=False).input_ids)
+    full = list(tokenizer("x").input_ids)
+    start = next((i for i in range(len(full) - len(bare) + 1) if full[i : i + len(bare)] == bare), 0)
+    return full[:start] + ids + full[start + len(bare) :]

@@ -41,7 +41,7 @@ UNSUPPORTED: dict[str, Unsupported] = {
     "best_of": Unsupported("only best_of 1 is supported; send several requests instead", (None, 1)),
     "allowed_token_ids": Unsupported("allowed_token_ids is not implemented; use logit_bias to ban tokens"),
     "bad_words": Unsupported("bad_words is not implemented; use logit_bias to ban tokens", (None, [])),
-    "include_stop_str_in_output": Unsupported("stop strings are always cut from the output; leave it out", (None, False)),
+    "include_stop_str_in_output": Unsupported("stop strings are always cut from the text; leave it out", (None, False)),
     "skip_special_tokens": Unsupported("special tokens are always skipped in the text; leave it out", (None, True)),
     "truncate_prompt_tokens": Unsupported("prompts are never truncated; shorten the prompt yourself"),
     "prompt_logprobs": Unsupported("use echo: true with logprobs on /v1/completions to score the prompt"),

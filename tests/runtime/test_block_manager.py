@@ -8,7 +8,7 @@ import pytest
 
 import quantkit.runtime.block_manager as bm_mod
 from quantkit.errors import QuantkitError
-from quantkit.runtime.block_manager import BlockManager
+from quantkit.runtime.block_manager import BlockManager, block_hash
 from quantkit.runtime.sequence import Sequence
 
 BS = 4
@@ -273,3 +273,18 @@ def test_bad_sizes_rejected() -> None:
         BlockManager(0, 16)
     with pytest.raises(QuantkitError, match="block_size=0"):
         BlockManager(4, 0)
+
+
+def test_a_cache_salt_separates_prefixes() -> None:
+    """Issue #39: the prefix cache is shared by all clients unless salted; a salt is part of the first block's hash,
+    so the chain: only sequences with the same salt share blocks (vLLM's cache_salt)."""
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a = Sequence(list(range(13)), cache_salt=b"tenant-a")
+    bm.allocate(a)
+    a.num_computed_tokens = 13
+    bm.cache_computed_blocks(a)
+    assert bm.num_cached_tokens(Sequence(list(range(13)), cache_salt=b"tenant-a")) == 12
+    assert bm.num_cached_tokens(Sequence(list(range(13)), cache_salt=b"tenant-b")) == 0
+    assert bm.num_cached_tokens(Sequence(list(range(13)))) == 0
+    assert block_hash(None, [1, 2, 3, 4]) == block_hash(None, [1, 2, 3, 4], None)  # unsalted hashes are unchanged
+    assert block_hash(None, [1, 2, 3, 4], b"s") != block_hash(None, [1, 2, 3, 4])

@@ -284,3 +284,55 @@ def test_the_engine_leaves_the_allocator_policy_to_its_caller(tiny_model_dir: Pa
     llm = LLM(tiny_model_dir, num_kv_blocks=16, block_size=4, max_model_len=64)
     out = llm.generate([[1, 5, 6]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert len(out[0].token_ids) == 3 and looked_up == []
+
+
+def test_a_request_that_cannot_be_sampled_fails_alone(tiny_model_dir: Path, monkeypatch) -> None:
+    """Issue #39: a NaN row used to reach torch.multinomial, whose error failed every request of the step, greedy
+    ones included. Now only the request whose row cannot be sampled fails; the others match their solo runs."""
+    requests = [
+        ([1, 5, 6, 7], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)),
+        ([1, 8, 9], SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)),
+        ([1, 10, 11, 12, 13], SamplingParams(temperature=0.7, seed=4, max_tokens=6, ignore_eos=True)),
+    ]
+    engine = _engine(tiny_model_dir)
+    ids = [engine.add_request(*r) for r in requests]
+    victim = engine.output_processor._by_id[ids[1]].seq
+    forward = engine.runner.forward
+
+    def poisoned(out, inputs):
+        logits = forward(out, inputs).clone()
+        if victim in out.seqs and not out.is_prefill:
+            logits[out.seqs.index(victim)] = float("nan")
+        return logits
+
+    monkeypatch.setattr(engine.runner, "forward", poisoned)
+    results: dict[str, RequestOutput] = {}
+    while engine.has_unfinished():
+        results.update({o.request_id: o for o in engine.step() if o.finished})
+    assert results[ids[1]].finish_reason is FinishReason.ERROR and "NaN" in (results[ids[1]].error or "")
+    solo = _solo(tiny_model_dir, [requests[0], requests[2]])
+    assert [results[ids[0]].token_ids, results[ids[2]].token_ids] == solo
+    assert engine.num_failed_requests == 1 and engine.consecutive_failed_steps == 0
+    _assert_cache_empty(engine)
+
+
+def test_logit_bias_min_tokens_and_stop_token_ids_change_generation(tiny_model_dir: Path) -> None:
+    """As OpenAI and vLLM define them: a +100 bias forces a token, -100 bans it; EOS cannot end a request before
+    min_tokens; a stop token id ends it (inclusive)."""
+    engine = _engine(tiny_model_dir)
+    prompt = [1, 5, 6, 7]
+    free = _run(engine, [(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))])[0]
+    banned = _run(engine, [(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={free[0]: -100}))])[0]
+    assert banned[0] != free[0]
+    forced = _run(engine, [(prompt, SamplingParams(temperature=0.9, seed=1, max_tokens=5, logit_bias={9: 100}))])[0]
+    assert forced == [9] * 5
+    eos = 2  # the tiny model's EOS: a +100 bias ends the request at once, unless min_tokens holds it off
+    assert _run(engine, [(prompt, SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100}))])[0] == [eos]
+    held = SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100}, min_tokens=3)
+    assert _run(engine, [(prompt, held)])[0][-1] == eos and len(_run(engine, [(prompt, held)])[0]) == 4
+    stopped = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[free[2]])
+    assert _run(engine, [(prompt, stopped)])[0] == free[: free.index(free[2]) + 1]
+    with pytest.raises(QuantkitError, match="outside the vocabulary"):
+        engine.add_request(prompt, SamplingParams(logit_bias={VOCAB: 1.0}))
+    with pytest.raises(QuantkitError, match="stop_token_ids"):
+        engine.add_request(prompt, SamplingParams(stop_token_ids=[VOCAB + 5]))

@@ -61,3 +61,31 @@ def test_temperature_sharpens() -> None:
     params = [SamplingParams(temperature=0.1)] * 2000
     tokens = Sampler(torch.Generator().manual_seed(1))(logits, params, [None] * 2000)
     assert sum(tokens) / 2000 < 0.05  # (0.4/0.6)**10 ~ 1.7% of draws pick token 1
+
+
+def test_top_k_beyond_the_vocabulary_keeps_every_token() -> None:
+    """Issue #39: top_k 2**63 overflowed the int64 tensor the sampler builds; it now means "keep every token"."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+
+    def draw(top_k: int) -> list[int]:
+        gens = [torch.Generator().manual_seed(i) for i in range(3)]
+        return Sampler()(logits, [SamplingParams(temperature=1.0, top_k=top_k, seed=0)] * 3, gens)
+
+    assert draw(2**63) == draw(2**31) == draw(-1)
+
+
+def test_temperature_below_the_floor_is_greedy() -> None:
+    """1e-300 is 0 in float32: dividing the logits by it gave NaN, and multinomial failed the whole batch."""
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    params = [SamplingParams(temperature=t) for t in (1e-300, 1e-6, 9.9e-6, 0.0)]
+    assert all(p.greedy for p in params) and not SamplingParams(temperature=1e-5).greedy
+    assert Sampler(torch.Generator().manual_seed(0))(logits, params, [None] * 4) == logits.argmax(-1).tolist()
+
+
+def test_a_row_that_cannot_be_sampled_is_reported_not_raised() -> None:
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(3))
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.8)]
+    tokens, failed = Sampler(torch.Generator().manual_seed(0)).sample(logits, params, [None] * 3)
+    assert list(failed) == [1] and tokens[1] == -1
+    assert tokens[0] == int(logits[0].argmax()) and 0 <= tokens[2] < 20

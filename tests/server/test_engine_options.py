@@ -81,3 +81,28 @@ def test_max_num_batched_tokens_defaults_to_a_whole_prompt():
     assert EngineConfig(max_model_len=512).max_num_batched_tokens == 4096
     assert EngineConfig(max_model_len=8192).max_num_batched_tokens == 8192
     assert EngineConfig(max_model_len=8192, max_num_batched_tokens=64).max_num_batched_tokens == 64
+
+
+def test_every_server_field_is_a_serve_option_with_its_default_and_help():
+    """Issue #39 item 8: the server's limits are ServeConfig fields with help metadata, derived into options."""
+    options = _options("serve")
+    for field in dataclasses.fields(ServeConfig):
+        if field.name == "engine":
+            continue
+        option = options[field.name]
+        assert f"--{field.name.replace('_', '-')}" in option.opts, field.name
+        assert option.default == field.default and option.help == field.metadata["help"], field.name
+    for name in ("header_timeout", "write_timeout", "keep_alive_timeout", "max_connections", "max_header_bytes"):
+        assert name in options, name
+
+
+def test_api_key_may_be_given_more_than_once(monkeypatch, capsys):
+    code, err, configs, _ = _serve(monkeypatch, capsys, "--api-key", "a", "--api-key", "b", "--write-timeout", "3")
+    assert code == 0, err
+    [config] = configs
+    assert config.api_keys == ("a", "b") and config.salts_cache_per_key and config.write_timeout == 3
+    code, err, configs, _ = _serve(monkeypatch, capsys, "--api-key", "a", "--api-key", "a")
+    assert code == 2 and "twice" in err and not configs
+    monkeypatch.setenv("QUANTKIT_API_KEY", "from-env")
+    code, err, configs, _ = _serve(monkeypatch, capsys)
+    assert code == 0 and configs[0].api_keys == ("from-env",) and not configs[0].salts_cache_per_key

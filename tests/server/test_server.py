@@ -323,9 +323,9 @@ CHAR_LIMIT = 32 * 2048  # CHARS_PER_TOKEN_LIMIT x max_model_len of the test mode
 
 @pytest.fixture()
 def small_body_limit(srv):
-    srv.state.max_body_bytes = 1000
+    before, srv.state.max_body_bytes = srv.state.max_body_bytes, 1000
     yield
-    srv.state.max_body_bytes = ServeConfig.max_body_bytes
+    srv.state.max_body_bytes = before
 
 
 def test_body_over_the_limit_gets_413_before_it_is_parsed(client, small_body_limit):

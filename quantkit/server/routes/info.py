@@ -1,4 +1,5 @@
-"""``GET /health`` (no API key needed; 503 while draining) and ``GET /v1/models`` (the one served model)."""
+"""``GET /health`` (no API key needed; 503 while draining, or while the engine thread is dead or its recent steps all
+failed) and ``GET /v1/models`` (the one served model)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,12 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    if request.app.state.server.draining:
+    state: ServerState = request.app.state.server
+    if state.draining:
         return JSONResponse({"status": "draining"}, 503)
+    problem = state.engine.health()
+    if problem is not None:
+        return JSONResponse({"status": "unhealthy", "reason": problem}, 503)
     return JSONResponse({"status": "ok"})
 
 

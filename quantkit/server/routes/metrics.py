@@ -22,7 +22,7 @@ async def prometheus(request: Request) -> PlainTextResponse:
 
 def sampled_series(state: ServerState) -> Sampled:
     """name -> (type, help, getter) of every series read at scrape time."""
-    stats = state.engine.stats
+    stats, engine = state.engine.stats, state.engine
     return {
         "vllm:num_requests_running": ("gauge", "Sequences in the running batch.", lambda: stats.running),
         "vllm:num_requests_waiting": ("gauge", "Sequences waiting for admission.", lambda: stats.waiting),
@@ -39,6 +39,13 @@ def sampled_series(state: ServerState) -> Sampled:
         ),
         "quantkit_spec_decode_tokens_per_step": (
             "gauge", "Tokens per target pass of a sequence with drafts.", lambda: stats.spec_tokens_per_step
+        ),
+        "quantkit_engine_healthy": (
+            "gauge", "1 while the engine thread runs and its recent steps did not all fail (as /health).",
+            lambda: float(engine.health() is None),
+        ),
+        "quantkit_engine_failed_steps_total": (
+            "counter", "Engine steps in which every request failed, or that raised.", lambda: stats.failed_steps
         ),
         "process_resident_memory_bytes": ("gauge", "Resident memory of the server process.", resident_memory_bytes),
     }  # fmt: skip

@@ -26,15 +26,29 @@ onloading during grid search") and torch raises "RuntimeError: Cannot access acc
 available." ``--no-pin-memory`` replaces that one method by a no-op when no accelerator is present: pinning only
 changes which host allocator holds a copy of the same values, so the algorithm and its numbers are unchanged; the
 patch is recorded in --info (``patches``). Without the flag the run fails as released.
+
+Reference checkpoints for the compressed-tensors preset schemes (benchmarks/llmc_presets.py reads them):
+
+    preset:  QuantizationModifier(targets Linear, scheme=--scheme (a PRESET_SCHEMES name: FP8, NVFP4, MXFP4, ...),
+             ignore lm_head), kv_cache_scheme from --kv-cache (FP8 E4M3, symmetric, static; strategy tensor or
+             attn_head), bypass_divisibility_checks from --bypass-divisibility
+    sq-gptq: SmoothQuantModifier(smoothing_strength=--smoothing-strength) then GPTQModifier(targets Linear,
+             scheme=--scheme, ignore lm_head)
+
+--calib is optional for preset (data-free schemes: weight-only or dynamic activations); without it oneshot gets no
+dataset. When oneshot or the save fails, --info still gets the versions, the recipe and ``error`` (exception type,
+message, the innermost frame) and the exit status is 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
 import time
+import traceback
 from importlib.metadata import version
 from pathlib import Path
 
@@ -88,9 +102,35 @@ def weight_scheme(bits: int, group_size: int, symmetric: bool) -> dict:
     }
 
 
-def build_recipe(method: str, bits: int, group_size: int) -> list:
+def kv_cache_args(strategy: str | None):
+    """FP8 (E4M3) KV cache, symmetric, static scales from calibration: one per tensor or one per head."""
+    if strategy is None:
+        return None
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=8, type="float", strategy=strategy, dynamic=False, symmetric=True)
+
+
+def build_recipe(method: str, bits: int, group_size: int, args: argparse.Namespace | None = None) -> list:
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
+    if method == "preset":
+        return [
+            QuantizationModifier(
+                targets="Linear",
+                scheme=args.scheme,
+                ignore=["lm_head"],
+                kv_cache_scheme=kv_cache_args(args.kv_cache),
+                bypass_divisibility_checks=args.bypass_divisibility,
+            )
+        ]
+    if method == "sq-gptq":
+        from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+
+        return [
+            SmoothQuantModifier(smoothing_strength=args.smoothing_strength),
+            GPTQModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"]),
+        ]
     if method == "gptq":
         return [GPTQModifier(config_groups=weight_scheme(bits, group_size, True), ignore=["lm_head"])]
     from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -110,6 +150,8 @@ def modifier_settings(recipe: list) -> list[dict]:
             if name.startswith("_"):
                 continue
             value = getattr(modifier, name, None)
+            if hasattr(value, "model_dump"):  # QuantizationArgs (kv_cache_scheme)
+                value = value.model_dump(mode="json")
             try:
                 json.dumps(value)
             except TypeError:
@@ -119,11 +161,67 @@ def modifier_settings(recipe: list) -> list[dict]:
     return out
 
 
+@contextlib.contextmanager
+def failure_recorded(path: Path, info: dict):
+    """On an exception: write ``info`` with the error to ``path`` and exit with status 1 (traceback on stderr)."""
+    try:
+        yield
+    except Exception as exc:
+        traceback.print_exc()
+        frame = traceback.extract_tb(exc.__traceback__)[-1]
+        info["error"] = {
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "where": f"{frame.filename}:{frame.lineno} in {frame.name}",
+        }
+        path.write_text(json.dumps(info, indent=2))
+        sys.exit(1)
+
+
+def save_compressed(args: argparse.Namespace, model, tokenizer, info: dict) -> None:
+    """The checkpoint as llm-compressor writes it (compressed-tensors)."""
+    with failure_recorded(args.info, info):
+        args.output.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(args.output, save_compressed=True)
+        tokenizer.save_pretrained(args.output)
+
+
+def run_data_free(args: argparse.Namespace, model, tokenizer, info: dict, start: float) -> None:
+    """A preset without calibration data: oneshot(model, recipe) and save."""
+    from llmcompressor import oneshot
+
+    with failure_recorded(args.info, info):
+        recipe = build_recipe(args.method, args.bits, args.group_size, args)
+    info["recipe"] = modifier_settings(recipe)
+    info["calibration"] = None
+    loaded = time.perf_counter()
+    with failure_recorded(args.info, info):
+        oneshot(model=model, recipe=recipe)
+    calibrated = time.perf_counter()
+    save_compressed(args, model, tokenizer, info)
+    saved = time.perf_counter()
+    info["seconds"] = {
+        "load": loaded - start,
+        "oneshot": calibrated - loaded,
+        "save": saved - calibrated,
+        "total": saved - start,
+    }
+    args.info.write_text(json.dumps(info, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="float model directory (config.json)")
-    parser.add_argument("--calib", required=True, type=Path, help="`quantkit calibrate` safetensors file")
-    parser.add_argument("--method", required=True, choices=("gptq", "awq"))
+    parser.add_argument("--calib", type=Path, help="`quantkit calibrate` safetensors file (optional for preset)")
+    parser.add_argument("--method", required=True, choices=("gptq", "awq", "preset", "sq-gptq"))
+    parser.add_argument("--scheme", help="preset / sq-gptq: a compressed-tensors PRESET_SCHEMES name (FP8, NVFP4, ...)")
+    parser.add_argument("--kv-cache", choices=("tensor", "attn_head"), help="preset: FP8 KV cache scale strategy")
+    parser.add_argument("--smoothing-strength", type=float, default=0.8, help="sq-gptq: SmoothQuant alpha")
+    parser.add_argument(
+        "--bypass-divisibility",
+        action="store_true",
+        help="preset: bypass_divisibility_checks=True (let a group size that does not divide in-features through)",
+    )
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--dtype", default="auto", help="model load dtype: auto (the checkpoint's), float32, bfloat16")
@@ -135,6 +233,10 @@ def main() -> None:
         help="without an accelerator: make IntermediatesCache.pin_memory a no-op (AWQ fails on CPU otherwise)",
     )
     args = parser.parse_args()
+    if args.calib is None and (args.method != "preset" or args.kv_cache):
+        parser.error(f"--calib is required for --method {args.method}" + (" with --kv-cache" if args.kv_cache else ""))
+    if args.method in ("preset", "sq-gptq") and not args.scheme:
+        parser.error(f"--scheme is required for --method {args.method}")
 
     start = time.perf_counter()
     import torch
@@ -148,41 +250,49 @@ def main() -> None:
 
         IntermediatesCache.pin_memory = lambda self, batch_index, input_names=None: None
         patches.append("IntermediatesCache.pin_memory -> no-op (no accelerator; values unchanged)")
-    ids, metadata = load_windows(args.calib)
-    windows, seq_len = ids.shape
-    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    recipe = build_recipe(args.method, args.bits, args.group_size)
-    collator = RecordingCollator(seq_len)
-    loaded = time.perf_counter()
-    oneshot(
-        model=model,
-        tokenizer=tokenizer,
-        dataset=dataset,
-        recipe=recipe,
-        num_calibration_samples=windows,
-        max_seq_length=seq_len,
-        shuffle_calibration_samples=False,
-        data_collator=collator,
-    )
-    calibrated = time.perf_counter()
-    args.output.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.output, save_compressed=True)
-    tokenizer.save_pretrained(args.output)
-    saved = time.perf_counter()
-
-    expected = sorted(tuple(row) for row in ids.tolist())
-    last_pass = sorted(collator.rows[-len(expected) :])  # the calibration pass over the dataloader
     info = {
         "versions": {
             name: version(name) for name in ("llmcompressor", "compressed-tensors", "torch", "transformers", "datasets")
         },
         "method": args.method,
+        "scheme": args.scheme,
+        "kv_cache": args.kv_cache,
         "dtype": str(model.dtype).removeprefix("torch."),
         "torch_threads": torch.get_num_threads(),
         "patches": patches,
+    }
+    if args.calib is None:  # data-free preset
+        run_data_free(args, model, tokenizer, info, start)
+        return
+    ids, metadata = load_windows(args.calib)
+    windows, seq_len = ids.shape
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+    with failure_recorded(args.info, info):
+        recipe = build_recipe(args.method, args.bits, args.group_size, args)
+    info["recipe"] = modifier_settings(recipe)
+    collator = RecordingCollator(seq_len)
+    loaded = time.perf_counter()
+    with failure_recorded(args.info, info):
+        oneshot(
+            model=model,
+            tokenizer=tokenizer,
+            dataset=dataset,
+            recipe=recipe,
+            num_calibration_samples=windows,
+            max_seq_length=seq_len,
+            shuffle_calibration_samples=False,
+            data_collator=collator,
+        )
+    calibrated = time.perf_counter()
+    save_compressed(args, model, tokenizer, info)
+    saved = time.perf_counter()
+
+    expected = sorted(tuple(row) for row in ids.tolist())
+    last_pass = sorted(collator.rows[-len(expected) :])  # the calibration pass over the dataloader
+    info |= {
         "recipe": modifier_settings(recipe),
         "calibration": {
             "file": str(args.calib),

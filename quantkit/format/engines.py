@@ -62,8 +62,10 @@ GGUF_BLOCK = 32  # Q4_0 / Q4_1 / Q8_0 hold 32 weights per block, one fp16 scale 
 
 def layout_problem(scheme: QuantScheme, in_features: int) -> str | None:
     """Why compressed-tensors (and so transformers and vLLM) would refuse this layer's layout; None when valid."""
-    if not scheme.per_channel and in_features % scheme.group_size:
+    if scheme.group_size > 0 and in_features % scheme.group_size:
         return f"group size {scheme.group_size} does not divide its {in_features} in-features"
+    if scheme.block and in_features % scheme.block:
+        return f"block size {scheme.block} does not divide its {in_features} in-features"
     if scheme.act_order and not scheme.static_groups:
         return "act-order with dynamic groups (actorder 'group', a g_idx per layer)"
     return None

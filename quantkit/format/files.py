@@ -86,16 +86,23 @@ def shard_files(path: Path) -> list[Path]:
 
 
 def scale_dtypes(files: Iterable[Path]) -> dict[str, torch.dtype]:
-    """The stored dtype of every ``weight_scale`` tensor, read from the safetensors headers."""
+    """The stored dtype of every scale tensor (``weight_scale``, a KV cache's ``k_scale`` / ``v_scale``), read from
+    the safetensors headers."""
     from safetensors import safe_open
 
     dtypes: dict[str, torch.dtype] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as handle:
             for key in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if key.endswith("." + SCALE):
+                if key.endswith(("." + SCALE, ".k_scale", ".v_scale")):
                     dtypes[key] = handle.get_slice(key).get_dtype()
     return {k: _DTYPES.get(v, torch.bfloat16) for k, v in dtypes.items()}
 
 
-_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "U8": torch.uint8,
+}

@@ -13,9 +13,13 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
+from quantkit.format.kv_cache import KV_SCALES, add_kv_scale_buffers, use_fp8_cache
 from quantkit.format.quant_linear import QuantLinear
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
-from quantkit.format.tensors import SCALE
+from quantkit.format.tensors import GLOBAL, INPUT_GLOBAL, INPUT_SCALE, SCALE
+
+# scales kept in their stored dtype (a KV cache's k_scale / v_scale too: the runtime reads them as stored)
+STORED_SCALES = tuple(f".{name}" for name in (SCALE, GLOBAL, INPUT_SCALE, INPUT_GLOBAL, *KV_SCALES))
 
 _MAX_LISTED = 8
 
@@ -55,13 +59,18 @@ def replace_linears(
     return count
 
 
+def keeps_stored_dtype(key: str, tensor: torch.Tensor) -> bool:
+    """Whether a checkpoint tensor is read in its stored dtype: codes (integers, FP8) and quantization scales; the
+    rest (dense weights, norms, biases) takes the model's dtype."""
+    return not tensor.is_floating_point() or tensor.dtype == torch.float8_e4m3fn or key.endswith(STORED_SCALES)
+
+
 def _load_tensors(files: Iterable[Path], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors; float tensors cast to ``dtype`` except quantization scales."""
+    """All checkpoint tensors; float tensors cast to ``dtype`` except codes and quantization scales."""
     state: dict[str, torch.Tensor] = {}
     for f in files:
         for key, tensor in load_file(str(f)).items():
-            keep = key.endswith("." + SCALE) or not tensor.is_floating_point()
-            state[key] = tensor if keep else tensor.to(dtype)
+            state[key] = tensor if keeps_stored_dtype(key, tensor) else tensor.to(dtype)
     return state
 
 
@@ -133,6 +142,8 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_w
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     if replace_linears(model, layout, scale_dtypes(files), cache_weight) == 0:
         raise QuantkitError(f"quantization_config of {path} targets no Linear layer of {type(model).__name__}")
+    if layout.kv_cache is not None and add_kv_scale_buffers(model, layout.kv_cache, scale_dtypes(files)) == 0:
+        raise QuantkitError(f"{path} names a kv_cache_scheme in its quantization_config but stores no k_scale/v_scale")
 
     state = _load_tensors(files, dtype)
     expected = set(model.state_dict().keys())
@@ -147,4 +158,6 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_w
     if leftover:
         raise QuantkitError(f"tensors left uninitialised after loading {path}: {_listed(leftover)}")
     model.config.quantization_config = raw["quantization_config"]
+    if layout.kv_cache is not None:  # keys and values through FP8 under the stored scales, as the cache holds them
+        use_fp8_cache(model)
     return model.eval()

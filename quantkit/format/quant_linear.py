@@ -1,4 +1,5 @@
-"""QuantLinear: a Linear over a checkpoint's packed tensors that dequantizes its weight on the fly."""
+"""QuantLinear: a Linear over a checkpoint's quantized tensors that dequantizes its weight on the fly and
+quantizes its input as the serving kernel does (:mod:`quantkit.format.input_quant`)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.format.pack import packed_words
+from quantkit.format.input_quant import fake_quantize_input
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
-from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO, linear_tensors, read_linear, records_g_idx
+from quantkit.format.tensors import INPUT_GLOBAL, INPUT_SCALE, linear_parts, linear_tensors, read_linear
 
 
 class QuantLinear(nn.Module):
-    """A Linear whose weight is held as compressed-tensors ``pack-quantized`` buffers.
+    """A Linear whose weight is held as the compressed-tensors tensors of its scheme's format.
 
     The buffers are named like the checkpoint tensors, so ``load_state_dict`` takes a checkpoint's
-    tensors directly. ``forward`` unpacks and dequantizes the weight on every call (plain torch);
-    set ``cache_weight=True`` to keep the dense weight after the first call (uses dense memory).
+    tensors directly. ``forward`` dequantizes the weight on every call (plain torch); set ``cache_weight=True``
+    to keep the dense weight after the first call (uses dense memory). A scheme with quantized inputs quantizes
+    and dequantizes ``x`` first, with the checkpoint's static input scale where it has one.
     """
 
     def __init__(
@@ -34,22 +36,18 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
         self.cache_weight = cache_weight
         self._cached: torch.Tensor | None = None
-        n, k, bits, groups = out_features, in_features, scheme.bits, scheme.num_groups(in_features)
-        kw = {"device": device}
-        self.register_buffer(PACKED, torch.zeros(n, packed_words(k, bits), dtype=torch.int32, **kw))
-        self.register_buffer(SCALE, torch.ones(n, groups, dtype=scale_dtype, **kw))
-        if not scheme.symmetric:
-            self.register_buffer(ZERO, torch.zeros(packed_words(n, bits), groups, dtype=torch.int32, **kw))
-        self.register_buffer(SHAPE, torch.tensor([n, k], dtype=torch.int64, device=device))
-        if records_g_idx(scheme):
-            self.register_buffer(G_IDX, torch.zeros(k, dtype=torch.int32, **kw))
-        self.bias = nn.Parameter(torch.zeros(n, dtype=dtype, **kw), requires_grad=False) if bias else None
+        for part in linear_parts(scheme, out_features, in_features, scale_dtype):
+            self.register_buffer(part.name, torch.zeros(part.shape, dtype=part.dtype, device=device))
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device), requires_grad=False) if bias else None
+        )
 
     @classmethod
     def from_quantized(
         cls, qw: QuantizedWeight, bias: torch.Tensor | None = None, scale_dtype: torch.dtype = torch.bfloat16
     ) -> QuantLinear:
-        """Build from an in-memory quantized weight (scales cast to ``scale_dtype``)."""
+        """Build from an in-memory quantized weight (scales cast to ``scale_dtype`` where the format keeps them in
+        the model's dtype)."""
         n, k = qw.shape
         dtype = bias.dtype if bias is not None else torch.float32
         layer = cls(k, n, qw.scheme, bias=bias is not None, scale_dtype=scale_dtype, dtype=dtype)
@@ -60,7 +58,7 @@ class QuantLinear(nn.Module):
         return layer
 
     def quantized_weight(self) -> QuantizedWeight:
-        """The integer weight held by this layer."""
+        """The quantized weight held by this layer."""
         return read_linear(dict(self.named_buffers(recurse=False)), "", self.scheme)
 
     def dense_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -71,7 +69,8 @@ class QuantLinear(nn.Module):
         """
         if self._cached is not None and self._cached.dtype == dtype:
             return self._cached
-        weight = self.quantized_weight().dequantize(dtype).to(self.weight_packed.device)
+        device = next(self.buffers()).device
+        weight = self.quantized_weight().dequantize(dtype).to(device)
         if self.cache_weight:
             self._cached = weight
         return weight
@@ -84,6 +83,10 @@ class QuantLinear(nn.Module):
         super()._load_from_state_dict(*args, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        acts = self.scheme.activations
+        if acts is not None:
+            static = getattr(self, INPUT_SCALE, None)
+            x = fake_quantize_input(x, acts, getattr(self, INPUT_GLOBAL, static))
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return F.linear(x, self.dense_weight(x.dtype), bias)
 

@@ -35,6 +35,7 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.int8: "I8",
     torch.uint8: "U8",
     torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
 }
 
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -6,6 +6,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,16 +40,17 @@ class SchemeAssignment:
     def quantized(self) -> list[str]:
         return [name for name, s in self.schemes.items() if s is not None]
 
-    def quantization_config(self) -> dict:
-        """compressed-tensors config groups: ``Linear`` for a uniform scheme, exact names when mixed."""
+    def quantization_config(self, **extra: Any) -> dict:
+        """compressed-tensors config groups: ``Linear`` for a uniform scheme, exact names when mixed; ``extra``: the
+        rest of :func:`build_quantization_config`'s arguments (the KV cache scheme, the activation observer)."""
         distinct = list(dict.fromkeys(s for s in self.schemes.values() if s is not None))
         if not distinct:
             raise QuantkitError("every linear is ignored: nothing would be quantized; loosen --ignore")
         ignore = ["lm_head", *(name for name, s in self.schemes.items() if s is None)]
         if len(distinct) == 1:
-            return build_quantization_config([(distinct[0], ["Linear"])], ignore)
+            return build_quantization_config([(distinct[0], ["Linear"])], ignore, **extra)
         groups = [(scheme, [n for n, s in self.schemes.items() if s == scheme]) for scheme in distinct]
-        return build_quantization_config(groups, ["lm_head"])
+        return build_quantization_config(groups, ["lm_head"], **extra)
 
 
 def block_linears(arch: ArchSpec, num_layers: int) -> list[str]:

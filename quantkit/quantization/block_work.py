@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from quantkit.format.scheme import QuantizedWeight
+from quantkit.format.scheme import KVCacheScheme, QuantizedWeight
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner
 from quantkit.quantization.memory_strategy import MemoryStrategy
@@ -25,6 +25,9 @@ class BlockRun:
     storage: torch.dtype  # the model's float dtype: scales are rounded to it, hidden states kept in it
     runner: BlockRunner | None = None  # None: data-free (round-to-nearest alone), no forward passes
     memory: MemoryStrategy = field(default_factory=MemoryStrategy)
+    input_observer: str = "minmax"  # how static input scales are calibrated (quantization/input_ranges.py)
+    sample_every: int = 0  # the MSE observer's token-row stride (0: no sample)
+    kv_cache: KVCacheScheme | None = None  # calibrate k_scale / v_scale for an FP8 KV cache
 
 
 @dataclass(slots=True)
@@ -33,3 +36,4 @@ class QuantizedBlock:
     output: torch.Tensor | None  # the next block's input (None when data-free)
     records: list[Any] = field(default_factory=list)
     reference_output: torch.Tensor | None = None  # with a float path: the float model's output, the next target
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)  # more checkpoint tensors (k_scale, v_scale)

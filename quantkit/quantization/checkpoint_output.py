@@ -17,15 +17,20 @@ from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
 from quantkit.model.source_weights import config_json
+from quantkit.quantization.input_ranges import OBSERVER_NAMES
 from quantkit.quantization.job import QuantizeJob
 from quantkit.quantization.workdir import WorkDir
 
 
 def block_tensors(
-    block: nn.Module, prefix: str, quantized: dict[str, QuantizedWeight], storage: torch.dtype
+    block: nn.Module,
+    prefix: str,
+    quantized: dict[str, QuantizedWeight],
+    storage: torch.dtype,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint tensors of one block, on the CPU whatever device solved it: packed quantized linears,
-    everything else in the storage dtype."""
+    """The checkpoint tensors of one block, on the CPU whatever device solved it: quantized linears in their
+    format, ``extra`` tensors as given (a KV cache's scales), everything else in the storage dtype."""
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in block.state_dict().items():
         module_name = name.rpartition(".")[0]
@@ -34,6 +39,8 @@ def block_tensors(
         tensors[f"{prefix}.{name}"] = tensor.to(storage) if tensor.is_floating_point() else tensor.clone()
     for name, qw in quantized.items():
         tensors.update(linear_tensors(f"{prefix}.{name}", _on_cpu(qw), storage))  # packed on the CPU
+    for name, tensor in (extra or {}).items():
+        tensors[f"{prefix}.{name}"] = tensor.clone()
     return {name: tensor.cpu() for name, tensor in tensors.items()}
 
 
@@ -41,7 +48,14 @@ def _on_cpu(qw: QuantizedWeight) -> QuantizedWeight:
     """``qw`` with its tensors on the CPU (itself when they are there already)."""
     if qw.qweight.device.type == "cpu":
         return qw
-    move = {"qweight": qw.qweight, "scale": qw.scale, "zero": qw.zero, "g_idx": qw.g_idx}
+    move = {
+        "qweight": qw.qweight,
+        "scale": qw.scale,
+        "zero": qw.zero,
+        "g_idx": qw.g_idx,
+        "global_scale": qw.global_scale,
+        "input_scale": qw.input_scale,
+    }
     return replace(qw, **{k: None if v is None else v.cpu() for k, v in move.items()})
 
 
@@ -66,7 +80,13 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
         for index in range(work.finished):
             writer.add(stored_tensors(work.block_file(index)))
         (writer.tmp_dir / RUN_LOG).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
-        writer.finalize(model_config, side_files(job.source), job.assignment.quantization_config())
+        writer.finalize(
+            model_config,
+            side_files(job.source),
+            job.assignment.quantization_config(
+                kv_cache=job.config.kv_cache, activation_observer=OBSERVER_NAMES[job.config.activation_observer]
+            ),
+        )
 
 
 def _run_log(job: QuantizeJob, work: WorkDir) -> dict:

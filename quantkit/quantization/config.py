@@ -18,7 +18,8 @@ from quantkit.data.calibration import CalibrationConfig
 from quantkit.device import DEFAULT_DEVICE, DEVICE_HELP, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import EXPORT_SUPPORT, FALLBACK, LAYOUT_POLICIES, LAYOUT_POLICY_HELP
-from quantkit.format.scheme import QuantScheme
+from quantkit.format.scheme import KVCacheScheme, QuantScheme
+from quantkit.quantization.input_ranges import OBSERVERS
 from quantkit.quantization.methods.composition import (
     DEFAULT_METHOD,
     JobSteps,
@@ -28,6 +29,8 @@ from quantkit.quantization.methods.composition import (
     with_solver_options,
 )
 from quantkit.quantization.methods.registry import option
+
+KV_CACHE_NAMES = {"fp8": "tensor", "fp8-head": "attn_head"}  # --kv-cache-scheme -> compressed-tensors strategy
 
 
 @dataclass
@@ -49,6 +52,16 @@ class QuantizeConfig:
     # becomes the largest that does on that layer (said in one line), instead of stopping the run
     layout_policy: str = option(FALLBACK, LAYOUT_POLICY_HELP)
     export_formats: list[str] = field(default_factory=list)  # exported afterwards by the caller: checked up front
+    kv_cache_scheme: str | None = option(
+        None,
+        "An FP8 KV cache with scales calibrated on the calibration windows: fp8 (one key and one value scale per "
+        "layer) or fp8-head (one per KV head); written as the checkpoint's kv_cache_scheme.",
+    )
+    activation_observer: str = option(
+        "minmax",
+        "How static input scales (FP8, NVFP4's global input scale) are calibrated: minmax (the largest input "
+        "magnitude) or mse (the clipped range with the lowest quantization error).",
+    )
     resume: bool = option(False, "Continue an interrupted run after its last finished block.")
     force: bool = option(False, "Replace an existing output directory (once the new one is done).")
     batch_size: int = option(4, "Calibration windows per forward pass.")
@@ -85,7 +98,26 @@ class QuantizeConfig:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.steps.needs_calibration
+        """Whether the job runs on calibration windows: an algorithm that reads activations, a static input scale
+        or a KV cache scale to calibrate."""
+        return self.steps.needs_calibration or self.kv_cache is not None or self.static_inputs
+
+    @property
+    def kv_cache(self) -> KVCacheScheme | None:
+        if self.kv_cache_scheme is None:
+            return None
+        strategy = KV_CACHE_NAMES.get(self.kv_cache_scheme)
+        if strategy is None:
+            raise QuantkitError(
+                f"unknown KV cache scheme '{self.kv_cache_scheme}'; use one of {', '.join(KV_CACHE_NAMES)}"
+            )
+        return KVCacheScheme(strategy=strategy)
+
+    @property
+    def static_inputs(self) -> bool:
+        """Whether some linear's input scheme stores a calibrated scale."""
+        schemes = [self.resolved_scheme()] if self.planned is None else list(self.planned.values())
+        return any(s is not None and s.activations is not None and s.activations.static_scale for s in schemes)
 
     @property
     def max_shard_bytes(self) -> int:
@@ -119,6 +151,11 @@ class QuantizeConfig:
                 re.compile(pattern)
             except re.error as exc:
                 raise QuantkitError(f"--ignore '{pattern}' is not a valid regular expression: {exc}") from exc
+        self.kv_cache  # noqa: B018 (checks the name)
+        if self.activation_observer not in OBSERVERS:
+            raise QuantkitError(
+                f"unknown activation observer '{self.activation_observer}'; use one of {', '.join(OBSERVERS)}"
+            )
         if self.calibration_file is None:
             self.calibration.validate()
         resolve_device(self.device)  # an unknown or unavailable device fails before any work

@@ -22,7 +22,7 @@ from quantkit.quantization.methods.composition import JobSteps
 NO_CALIBRATION = "none"
 # Bumped when what the fingerprint hashes changes meaning, so that a work directory of an older quantkit is not
 # resumed as if it were this run's.
-FINGERPRINT_FORMAT = 2
+FINGERPRINT_FORMAT = 3
 
 
 @dataclass(slots=True)
@@ -81,11 +81,14 @@ def run_fingerprints(
 
 def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
     """A hash of everything that decides the solved weights: every algorithm with every option (the job's
-    canonical list), each linear's scheme, and the mini-batch size (it orders the sums)."""
+    canonical list), each linear's scheme, the mini-batch size (it orders the sums), how static input scales are
+    calibrated and the KV cache scheme."""
     spec = {
         "format": FINGERPRINT_FORMAT,
         "solvers": config.steps.canonical(),
         "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
         "batch_size": config.batch_size,
+        "activation_observer": config.activation_observer,
+        "kv_cache": config.kv_cache_scheme,
     }
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

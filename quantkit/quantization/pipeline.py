@@ -32,6 +32,7 @@ from quantkit.quantization.block_work import BlockRun
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.disk_space import check_free_space
+from quantkit.quantization.input_ranges import sample_stride
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
 from quantkit.quantization.methods.records import LayerRecord, record_from_dict
@@ -191,7 +192,8 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     """The block loop. The block being solved, its statistics and the calibration activations live on
     ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU."""
     skeleton = build_skeleton(job.source)
-    run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage)
+    run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage, kv_cache=job.config.kv_cache)
+    run.input_observer = job.config.activation_observer
     device = job.device
     hidden: torch.Tensor | None = None
     reference: torch.Tensor | None = None
@@ -201,6 +203,7 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     if job.calibration is not None:
         load_dtype = torch.float32
         seq_len, batch_size = job.calibration.seq_len, job.config.batch_size
+        run.sample_every = sample_stride(job.calibration.input_ids.numel(), run.input_observer)
         run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
         hidden = work.load_hidden(device) if work.finished > 0 else _first_input(job, work, skeleton).to(device)
         if job.steps.keeps_float_path:  # the float model's activations: the targets of tuning and refitting
@@ -223,7 +226,7 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             schemes = job.assignment.for_block(visit.prefix)
             done = quantize_block(visit.module, visit.prefix, hidden, schemes, run, reference)
             hidden, reference = done.output, done.reference_output
-            tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage)
+            tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage, done.extra)
             work.save_block(visit.index, tensors, hidden, done.records, reference)
             del done, tensors
             if on_block_done is not None:

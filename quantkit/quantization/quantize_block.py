@@ -5,6 +5,7 @@ Which algorithm runs where is the job's (:class:`~quantkit.quantization.methods.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -13,9 +14,11 @@ from torch import nn
 from quantkit.format.scheme import QuantScheme
 from quantkit.memory import release_freed_memory
 from quantkit.model.blocks import get_module
+from quantkit.model.kv_attention import OBSERVE, attention_implementation, kv_scales, take_kv_absmax
 from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_work import BlockRun, QuantizedBlock
+from quantkit.quantization.input_ranges import InputRangeObserver
 from quantkit.quantization.methods.hooks import BlockSchemes, BlockWork, SolveJob
 from quantkit.quantization.methods.registry import Role
 
@@ -52,7 +55,14 @@ def quantize_block(
         work.records += step.hooks.transform(step.config, work)
     companions = [step.hooks.companion(step.config, work) for step in targets]
     staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.memory.spill)
-    _solve_stages(work, run, staged, companions)
+    observer = InputRangeObserver(run.sample_every) if _static_inputs(schemes) else None
+    attention = get_module(block, run.arch.attn_path)
+    with attention_implementation(attention, OBSERVE) if run.kv_cache else nullcontext():
+        _solve_stages(work, run, staged, companions, observer)
+    extra = {}
+    if run.kv_cache is not None:
+        scales = kv_scales(take_kv_absmax(attention), run.kv_cache.strategy == "attn_head", run.storage)
+        extra = {f"{run.arch.attn_path}.{name}": scale for name, scale in scales.items()}
     if companion_output:
         work.reference_output = companions[0].float_output()
     del companions
@@ -60,16 +70,25 @@ def quantize_block(
     work.output = staged.output()
     for step in steps.with_role(Role.TUNE):
         work.records += step.hooks.tune(step.config, work)
-    return QuantizedBlock(work.weights, work.output, work.records, work.reference_output)
+    return QuantizedBlock(work.weights, work.output, work.records, work.reference_output, extra)
 
 
-def _solve_stages(work: BlockWork, run: BlockRun, staged: StagedBlock, companions: list[Any]) -> None:
-    """Each stage's linears, grouped by scheme, solved on the stage's Hessian (and the targets' stage data)."""
+def _static_inputs(schemes: BlockSchemes) -> bool:
+    return any(s is not None and s.activations is not None and s.activations.static_scale for s in schemes.values())
+
+
+def _solve_stages(
+    work: BlockWork, run: BlockRun, staged: StagedBlock, companions: list[Any], observer: InputRangeObserver | None
+) -> None:
+    """Each stage's linears, grouped by scheme, solved on the stage's Hessian (and the targets' stage data); with
+    an ``observer``, the static input scales of the stage's linears from the range of their inputs."""
     solver = run.steps.solver
     targets = run.steps.with_role(Role.TARGET)
     keep_dense = run.steps.any_cap("reads_solved_block")
     with_hessian = solver.algorithm.caps.needs_hessian
-    for stage, hessian, stage_data in stage_hessians(staged, with_hessian=with_hessian, companions=companions):
+    watching = [*companions, observer] if observer is not None else companions
+    for stage, hessian, stage_data in stage_hessians(staged, with_hessian=with_hessian, companions=watching):
+        input_range = stage_data.pop() if observer is not None else None
         run.memory.before_stage(stage, staged, work.weights, keep_dense)
         for names, scheme in _same_scheme_runs(stage.linears, work.schemes):
             weights = [get_module(work.block, name).weight.data for name in names]
@@ -81,6 +100,8 @@ def _solve_stages(work: BlockWork, run: BlockRun, staged: StagedBlock, companion
             solved = solver.hooks.solve(solver.config, job)
             del job
             for name, (weight, record) in zip(names, solved, strict=True):
+                if input_range is not None and scheme.activations is not None and scheme.activations.static_scale:
+                    weight.input_scale = input_range.scale(scheme.activations, run.storage, run.input_observer)
                 work.write_back(name, weight)
                 work.weights[name] = weight
                 work.records.append(record)

@@ -160,8 +160,11 @@ def test_scheme_for_matches_compressed_tensors_semantics() -> None:
     [
         (lambda c: c.update(format="int-quantized"), "format"),
         (lambda c: c.update(quant_method="gptq"), "quant_method"),
-        (lambda c: c["config_groups"]["group_0"]["weights"].update(type="float"), "type"),
-        (lambda c: c["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "activations"),
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(type="float", num_bits=2), "2-bit float"),
+        (lambda c: c["config_groups"]["group_0"]["weights"].update(type="mxint"), "type"),
+        (lambda c: c["config_groups"]["group_0"].update(input_activations={"symmetric": False}), "activations"),
+        (lambda c: c["config_groups"]["group_0"].update(output_activations={"num_bits": 8}), "output"),
+        (lambda c: c.update(kv_cache_scheme={"num_bits": 4, "type": "int"}), "kv"),
         (lambda c: c["config_groups"]["group_0"]["weights"].update(strategy="tensor", group_size=None), "strategy"),
         (lambda c: c.update(config_groups={"W4A16": ["Linear"]}), "preset"),
     ],

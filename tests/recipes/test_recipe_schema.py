@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from helpers.cli import run_cli
 
+from quantkit.format.presets import PRESETS
 from quantkit.recipes.schema import RecipeError, dump_recipe, load_recipe, recipe_from_text
 from quantkit.recipes.starter import STARTER
 
@@ -357,7 +358,7 @@ RULES = [
         "    bits: 4",
         "    preset: W5A16",
         "quantization.scheme.preset",
-        "expected one of W2A16, W3A16, W4A16, W4A16_ASYM, W8A16, got 'W5A16'",
+        f"expected one of {', '.join(PRESETS)}, got 'W5A16'",
         "preset",
     ),
     _case(

@@ -167,13 +167,16 @@ def resolve_scheme(
     static_groups: bool | None = None,
     mse_clip: bool | None = None,
 ) -> QuantScheme:
-    """The scheme a job quantizes with: each option given wins, then ``base``'s storage layout (a preset's bits,
-    group and symmetry), then the method's ``defaults``; bits and group size last fall back to QuantScheme's."""
-    base_symmetric = None if base is None else base.symmetric
-    return QuantScheme(
-        bits=bits if bits is not None else (base.bits if base is not None else QuantScheme.bits),
-        group_size=group_size if group_size is not None else (base.group_size if base else QuantScheme.group_size),
-        symmetric=_first(symmetric, base_symmetric, defaults["symmetric"]),
+    """The scheme a job quantizes with: each option given wins, then ``base``'s layout (a preset's bits, group,
+    symmetry, element type, scale format, blocks and input scheme), then the method's ``defaults``; bits and group
+    size last fall back to QuantScheme's."""
+    if base is None:
+        base = QuantScheme(symmetric=defaults["symmetric"])
+    return dataclasses.replace(
+        base,
+        bits=_first(bits, base.bits),
+        group_size=_first(group_size, base.group_size),
+        symmetric=_first(symmetric, base.symmetric),
         act_order=_first(act_order, defaults["act_order"]),
         static_groups=_first(static_groups, defaults["static_groups"]),
         mse_clip=_first(mse_clip, defaults["mse_clip"]),
@@ -185,7 +188,7 @@ def method_scheme(method: str, **fields: Any) -> QuantScheme:
     return resolve_scheme(JobSteps(parse_method(method)).scheme_defaults(), **fields)
 
 
-def _first(*values: bool | None) -> bool:
+def _first(*values: Any) -> Any:
     return next(v for v in values if v is not None)
 
 

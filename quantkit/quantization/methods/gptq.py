@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.format.scheme import QuantizedWeight
 from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
@@ -56,14 +55,7 @@ class _Hooks(Hooks):
         for w, name in zip(job.weights, job.full_names, strict=True):
             rows = slice(start, start + w.shape[0])
             start = rows.stop
-            qw = result.weight
-            part = QuantizedWeight(
-                qweight=qw.qweight[rows].contiguous(),
-                scale=qw.scale[rows].contiguous(),
-                zero=None if qw.zero is None else qw.zero[rows].contiguous(),
-                g_idx=qw.g_idx,
-                scheme=scheme,
-            )
+            part = result.weight.rows(rows)
             loss = hessian_weighted_error(w, part.dequantize(), hessian)
             out.append((part, LayerRecord(name, scheme.name, loss, result.damp, result.fell_back_to_rtn)))
         return out

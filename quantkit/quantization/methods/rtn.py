@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
@@ -18,11 +20,16 @@ class RTNConfig:
 
 class _Hooks(Hooks):
     def solve(self, config: Any, job: SolveJob) -> Solved:
+        """Linears that share an input are rounded as one row-stacked matrix: integer grids are row by row (the
+        same codes as one by one), and a scale shared by every row (per tensor, NVFP4's global scale) is then one
+        for the fused projection the serving engine builds from them."""
         scheme = job.scheme
-        return [
-            (quantize_rtn(w, scheme, scale_dtype=job.storage), LayerRecord(name, scheme.name, None, None))
-            for w, name in zip(job.weights, job.full_names, strict=True)
-        ]
+        stacked = quantize_rtn(torch.cat(job.weights), scheme, scale_dtype=job.storage)
+        out, start = [], 0
+        for w, name in zip(job.weights, job.full_names, strict=True):
+            out.append((stacked.rows(slice(start, start + w.shape[0])), LayerRecord(name, scheme.name, None, None)))
+            start += w.shape[0]
+        return out
 
 
 SWITCH = Switch("method")

@@ -24,7 +24,14 @@ from quantkit.device import float64_device
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.quantization.solvers.gptq_factor import Parking, all_finite, factor_in_place, fill_working
-from quantkit.quantization.solvers.grid import all_group_qparams, compute_qparams, quantize_rtn
+from quantkit.quantization.solvers.grid import (
+    all_group_qparams,
+    code_grid,
+    compute_qparams,
+    global_scale_of,
+    quantize_rtn,
+    round_codes_,
+)
 
 _RETRY_MIN_DAMP = 1e-4  # so that a failed damp=0 attempt is retried with some damping
 
@@ -52,9 +59,10 @@ class _GroupPlan:
 
     col_group: list[int]  # processing position -> group index
     dynamic_end: dict[int, int]  # processing position that starts a dynamic group -> end position (exclusive)
-    scale: torch.Tensor  # float32 [N, G]
+    scale: torch.Tensor  # float32 [N, G] ([1, 1] per tensor)
     zero: torch.Tensor | None  # int8 [N, G]
     g_idx: torch.Tensor | None  # int32 [K] in original column order
+    global_scale: torch.Tensor | None = None  # NVFP4: the whole weight's, fixed before any column moves
 
     def set_params(self, g: int, scale: torch.Tensor, zero: torch.Tensor | None) -> None:
         self.scale[:, g] = scale[:, 0]
@@ -125,16 +133,19 @@ def _plan_groups(
     n, k = W.shape
     size = scheme.group_len(k)
     groups = scheme.num_groups(k)
-    if scheme.per_channel or scheme.static_groups:  # fixed up front on the un-updated W, original column order
-        scale, zero = all_group_qparams(W, scheme, scale_dtype=scale_dtype, col_weight=diag)
-        return _GroupPlan([c // size for c in perm.tolist()], {}, scale, zero, None)
+    global_scale = global_scale_of(W, scheme)
+    # fixed up front on the un-updated W, original column order: per channel, per tensor, block tiles (their
+    # scales span rows of other columns too) and static groups
+    if scheme.per_channel or scheme.per_tensor or scheme.block or scheme.static_groups:
+        scale, zero = all_group_qparams(W, scheme, scale_dtype=scale_dtype, col_weight=diag, global_scale=global_scale)
+        return _GroupPlan([c // size for c in perm.tolist()], {}, scale, zero, None, global_scale)
     scale = torch.empty(n, groups, device=W.device)
     zero = None if scheme.symmetric else torch.empty(n, groups, dtype=torch.int8, device=W.device)
     starts = {j: min(j + size, k) for j in range(0, k, size)}
     g_idx = None
     if scheme.act_order:  # groups formed in processing order: g_idx[perm[j]] = j // size
         g_idx = (torch.argsort(perm) // size).to(torch.int32)
-    return _GroupPlan([j // size for j in range(k)], starts, scale, zero, g_idx)
+    return _GroupPlan([j // size for j in range(k)], starts, scale, zero, g_idx, global_scale)
 
 
 def _current_columns_t(
@@ -186,14 +197,15 @@ def _gptq_loop(
     scale_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, float]:
     """Quantize the weight, given as its transpose ``WT`` [K, N] in processing order (updated in place), column by
-    column; returns int8 q [N, K] and the loss.
+    column; returns the codes q [N, K] (:attr:`QuantScheme.code_dtype`) and the loss.
 
     Works on the transpose, so that every per-column operation reads and writes one contiguous row; the
-    arithmetic is :func:`quantize` / :func:`dequantize`'s, on float32 integers (exact) instead of int8.
+    arithmetic is :func:`quantize` / :func:`dequantize`'s, on float32 codes (exact) instead of the code dtype.
     """
     k, n = WT.shape
-    qT = torch.empty(k, n, dtype=torch.int8, device=WT.device)  # each column's codes, stored as computed
-    q = torch.empty(n, device=WT.device)  # the current column's codes, as float32 integers
+    qT = torch.empty(k, n, dtype=scheme.code_dtype, device=WT.device)  # each column's codes, stored as computed
+    q = torch.empty(n, device=WT.device)  # the current column's codes, in float32
+    grid = code_grid(scheme, scale_dtype, plan.global_scale)
     params = _ColumnParams(plan)
     where = float64_device(WT.device)  # the loss is summed in float64: on the CPU where the device has none
     loss = torch.zeros((), dtype=torch.float64, device=where)
@@ -208,18 +220,21 @@ def _gptq_loop(
             if end is not None:
                 g = plan.col_group[j]
                 cols = _current_columns_t(WT, W1T, Err1T, U, i1, i, end)
-                plan.set_params(g, *compute_qparams(cols, scheme, scale_dtype=scale_dtype, col_weight=diag[j:end]))
+                found = compute_qparams(
+                    cols, scheme, scale_dtype=scale_dtype, col_weight=diag[j:end], global_scale=plan.global_scale
+                )
+                plan.set_params(g, *found)
                 params.refresh(g)
             scale, zero = params(j)
             w, err = W1T[i], Err1T[i]
-            torch.div(w, scale, out=q).round_()
+            torch.div(w, scale, out=q)
             if zero is None:
-                q.clamp_(scheme.qmin, scheme.qmax)
+                round_codes_(q, grid)
                 torch.mul(q, scale, out=err)
             else:
-                q.add_(zero).clamp_(scheme.qmin, scheme.qmax)
+                q.round_().add_(zero).clamp_(scheme.qmin, scheme.qmax)
                 torch.sub(q, zero, out=err).mul_(scale)
-            qT[j].copy_(q)  # exact: integers in [qmin, qmax]
+            qT[j].copy_(q)  # exact: integers in [qmin, qmax], or values of the float code format
             torch.sub(w, err, out=err).div_(U1[i, i])
             W1T[i:].addr_(U1[i, i:], err, alpha=-1.0)
         loss += Err1T.to(device=where, dtype=torch.float64).square().sum()
@@ -288,7 +303,7 @@ def gptq_solve(
     finally:
         parked.unpark()
     qweight = qint[:, torch.argsort(perm)].contiguous() if act_order else qint
-    weight = QuantizedWeight(qweight=qweight, scale=plan.scale, zero=plan.zero, g_idx=plan.g_idx, scheme=scheme)
+    weight = QuantizedWeight(qweight, plan.scale, plan.zero, plan.g_idx, scheme, global_scale=plan.global_scale)
     return GPTQResult(weight=weight, loss=loss, damp=damp, fell_back_to_rtn=False)
 
 

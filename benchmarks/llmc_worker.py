@@ -131,6 +131,8 @@ def build_recipe(method: str, bits: int, group_size: int, args: argparse.Namespa
             SmoothQuantModifier(smoothing_strength=args.smoothing_strength),
             GPTQModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"]),
         ]
+    if method == "preset-gptq":
+        return [GPTQModifier(targets="Linear", scheme=args.scheme, ignore=["lm_head"])]
     if method == "gptq":
         return [GPTQModifier(config_groups=weight_scheme(bits, group_size, True), ignore=["lm_head"])]
     from llmcompressor.modifiers.transform.awq import AWQModifier
@@ -213,8 +215,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, type=Path, help="float model directory (config.json)")
     parser.add_argument("--calib", type=Path, help="`quantkit calibrate` safetensors file (optional for preset)")
-    parser.add_argument("--method", required=True, choices=("gptq", "awq", "preset", "sq-gptq"))
-    parser.add_argument("--scheme", help="preset / sq-gptq: a compressed-tensors PRESET_SCHEMES name (FP8, NVFP4, ...)")
+    parser.add_argument("--method", required=True, choices=("gptq", "awq", "preset", "preset-gptq", "sq-gptq"))
+    parser.add_argument(
+        "--scheme", help="preset / preset-gptq / sq-gptq: a compressed-tensors PRESET_SCHEMES name (FP8, NVFP4, ...)"
+    )
     parser.add_argument("--kv-cache", choices=("tensor", "attn_head"), help="preset: FP8 KV cache scale strategy")
     parser.add_argument("--smoothing-strength", type=float, default=0.8, help="sq-gptq: SmoothQuant alpha")
     parser.add_argument(
@@ -235,7 +239,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.calib is None and (args.method != "preset" or args.kv_cache):
         parser.error(f"--calib is required for --method {args.method}" + (" with --kv-cache" if args.kv_cache else ""))
-    if args.method in ("preset", "sq-gptq") and not args.scheme:
+    if args.method in ("preset", "preset-gptq", "sq-gptq") and not args.scheme:
         parser.error(f"--scheme is required for --method {args.method}")
 
     start = time.perf_counter()

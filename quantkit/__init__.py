@@ -29,6 +29,7 @@ __all__ = [
     "RTNConfig",
     "RotationConfig",
     "SamplingParams",
+    "SmoothQuantConfig",
     "TuneConfig",
     "evaluate",
     "quantize",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from quantkit.quantization.methods.head_refit import HeadRefitConfig
     from quantkit.quantization.methods.rotation import RotationConfig
     from quantkit.quantization.methods.rtn import RTNConfig
+    from quantkit.quantization.methods.smoothquant import SmoothQuantConfig
     from quantkit.quantization.methods.tune import TuneConfig
     from quantkit.quantization.pipeline import quantize_model as quantize
     from quantkit.runtime.llm import LLM
@@ -58,6 +60,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "RTNConfig": ("quantkit.quantization.methods.rtn", "RTNConfig"),
     "GPTQConfig": ("quantkit.quantization.methods.gptq", "GPTQConfig"),
     "AWQConfig": ("quantkit.quantization.methods.awq", "AWQConfig"),
+    "SmoothQuantConfig": ("quantkit.quantization.methods.smoothquant", "SmoothQuantConfig"),
     "FloatTargetsConfig": ("quantkit.quantization.methods.float_targets", "FloatTargetsConfig"),
     "TuneConfig": ("quantkit.quantization.methods.tune", "TuneConfig"),
     "RotationConfig": ("quantkit.quantization.methods.rotation", "RotationConfig"),

@@ -1,7 +1,7 @@
 """The docs state facts the code holds; each is checked against the code, so the two cannot drift: the README's
-commands are the ones CI runs, the option table of docs/cli.md is generated from the configs, the import rules in
-docs/internals.md are the test's, docs/benchmarks.md (and the README's comparison table) are the recorded tables
-rendered, and the presets, methods and defaults the docs name exist."""
+commands are the ones CI runs, the generated blocks (option tables, limits, presets) are rendered from the code,
+the import rules in docs/internals.md are the test's, docs/benchmarks.md (and the README's comparison table) are
+the recorded tables rendered, and the presets, methods and defaults the docs name exist."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ from test_import_rules import ALLOWED, FOUNDATION
 
 from quantkit.format.presets import PRESETS
 from quantkit.quantization.methods.composition import method_spellings
-from quantkit.quantization.options import options_markdown
 from quantkit.server.smoke import SMOKE_MAX_TOKENS
 
 README = (REPO / "README.md").read_text()
@@ -46,10 +45,6 @@ def test_every_doc_the_readme_links_exists() -> None:
         assert (REPO / target).is_file(), target
 
 
-def test_the_quantize_option_table_is_the_configs() -> None:
-    assert _between((DOCS / "cli.md").read_text(), "quantize-options") == options_markdown()
-
-
 def test_the_import_rules_in_internals_are_the_tests() -> None:
     table = _between((DOCS / "internals.md").read_text(), "import-rules")
     documented = {}
@@ -75,3 +70,45 @@ def test_presets_methods_and_defaults_the_docs_name_exist() -> None:
         assert f"`{spelling}`" in cli
     assert f"max_tokens: {SMOKE_MAX_TOKENS}" in (REPO / "quantkit" / "recipes" / "starter.py").read_text()
     assert "`solvers`" in recipes and "{gptq: {}}" in recipes
+
+
+def test_every_generated_block_of_the_docs_is_current() -> None:
+    """The option tables (quantize, serve, engine), the request limits, the unsupported parameters and the preset
+    table, each rendered from its home in the code; `python -m tools.render_docs` rewrites a stale one."""
+    from tools.render_docs import stale_blocks
+
+    assert stale_blocks(write=False) == []
+
+
+def test_the_serving_prose_names_the_codes_metrics_and_numbers_the_server_has() -> None:
+    from benchmarks.abuse_patterns import PATTERNS
+    from quantkit.server.config import ServeConfig
+    from quantkit.server.connection import SEND_BUFFER_BYTES
+    from quantkit.server.engine_thread import UNHEALTHY_AFTER
+    from quantkit.server.openapi import ERROR_RESPONSES
+
+    serving = (DOCS / "serving.md").read_text()
+    server = REPO / "quantkit" / "server"
+    sources = "".join(path.read_text() for path in sorted(server.rglob("*.py")))
+    # every error code a client can get is in the error table, and the table names no code the server lacks
+    codes = set(re.findall(r'code="(\w+)"', sources))
+    errors = serving.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    rows = [line.strip("|").split("|") for line in errors.splitlines() if line.startswith("| ")][1:]
+    assert {code for row in rows for code in re.findall(r"`(\w+)`", row[2])} == codes
+    statuses = {int(status) for row in rows for status in re.findall(r"\d+", row[0])}
+    assert set(ERROR_RESPONSES) <= statuses
+    # every metric the docs name exists
+    metrics = (server / "metrics.py").read_text() + (server / "routes" / "metrics.py").read_text()
+    for name in re.findall(r"`((?:quantkit_|vllm:|process_)[\w:]+)", serving):
+        assert f'"{name}' in metrics or f"{name} " in metrics, name
+    # numbers the prose states
+    assert f"2048-token context\n  accepts {ServeConfig().resolved_max_body_bytes(2048)} bytes" in serving
+    assert f"fixed at {SEND_BUFFER_BYTES // 1024} KiB" in serving
+    assert f"last {UNHEALTHY_AFTER} steps all failed" in serving
+    # the abuse benchmark: its patterns, and options it has
+    abuse = serving.split("## Abuse benchmark", 1)[1]
+    for name in PATTERNS:
+        assert name in abuse.replace("\n", " "), name
+    options = (REPO / "benchmarks" / "abuse.py").read_text()
+    for flag in set(re.findall(r"(--[a-z][\w-]+)", abuse)):
+        assert f'"{flag}"' in options, flag

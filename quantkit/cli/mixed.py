@@ -20,7 +20,7 @@ def sensitivity(
     output: Annotated[Path, typer.Option("--output", "-o", help="Measurement JSON to write.")],
     calib: Annotated[Path | None, typer.Option(help="Calibration file (default: shipped corpus).")] = None,
     candidates: Annotated[
-        str, typer.Option(help="Comma list of candidates, e.g. int4-g128,int4-g64,int4-g32,int8,fp16.")
+        str, typer.Option(help="Comma list, e.g. int4-g128,int4-g64,int8,fp16; float ones: nvfp4,mxfp4,mxfp8,fp8.")
     ] = ",".join(DEFAULT_CANDIDATES),
     mode: Annotated[str, typer.Option(help=MODE_HELP)] = SensitivityConfig.mode,
     num_samples: Annotated[

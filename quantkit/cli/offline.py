@@ -33,7 +33,10 @@ def calibrate(
     model: ModelOption = "smollm2-135m",
     dataset: Annotated[
         str | None,
-        typer.Option(help="File (.txt/.jsonl/.json/.parquet), directory, or HF dataset name[:config][:split]."),
+        typer.Option(
+            help="File (.txt/.jsonl/.json/.parquet), directory, HF dataset name[:config][:split], or self (text the "
+            "model generates: data-free)."
+        ),
     ] = CalibrationConfig.dataset,
     num_samples: NumSamples = CalibrationConfig.num_samples,
     seq_len: SeqLen = CalibrationConfig.seq_len,
@@ -139,7 +142,8 @@ def quantize(
     dataset: Annotated[
         str | None,
         typer.Option(
-            help="Without --calib: text to draw windows from (file, directory or HF dataset; default: shipped corpus)."
+            help="Without --calib: text to draw windows from (file, directory, HF dataset, or self: text the model "
+            "generates, data-free; default: shipped corpus)."
         ),
     ] = CalibrationConfig.dataset,
     num_samples: Annotated[

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit import __version__
+from quantkit.data.self_generated import SELF_GENERATED, generate_windows
 from quantkit.data.sources import load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
 from quantkit.errors import CalibrationError, QuantkitError
@@ -68,6 +69,10 @@ class CalibrationConfig:
             raise QuantkitError(f"unknown strategy '{self.strategy}'; use one of {', '.join(STRATEGIES)}")
         if self.select not in SELECTIONS:
             raise QuantkitError(f"unknown selection '{self.select}'; use one of {', '.join(SELECTIONS)}")
+        if self.dataset == SELF_GENERATED and (self.strategy != "random" or self.select != "random"):
+            raise QuantkitError(
+                f"--dataset {SELF_GENERATED} generates each window, so --strategy and --select do not apply; drop them"
+            )
         if self.min_length is not None and self.min_length < 1:
             raise QuantkitError(f"--min-length must be positive, got {self.min_length}")
 
@@ -137,35 +142,21 @@ def build_calibration(
     start = time.perf_counter()
     if tokenizer is None:
         tokenizer = load_tokenizer(model)
-    docs = load_documents(config.dataset, text_column=config.text_column, render_chat=_chat_renderer(tokenizer))
-    encoded = encode_documents(tokenizer, docs.texts, show_progress=config.show_progress)
     prefix = bos_prefix(tokenizer)
     body = config.seq_len - len(prefix)
-    generator = torch.Generator().manual_seed(config.seed)
-    if config.strategy == "document":
-        candidates = document_windows(encoded, body, config.min_length or body, generator)
+    if config.dataset == SELF_GENERATED:
+        chosen = generate_windows(model, tokenizer, config.num_samples, body, config.seed)
+        source, content_hash, documents, tokens = f"{SELF_GENERATED}-generated", "", len(chosen), len(chosen) * body
     else:
-        stream = join_documents(encoded, tokenizer.eos_token_id)
-        if len(stream) >= body:  # a text shorter than one window gets random_windows' own message
-            check_text_coverage(TextCoverage.of(docs.texts, len(stream), config.num_samples, body), config.allow_small)
-        candidates = random_windows(stream, body, _pool_size(config), generator)
-    if config.select == "diverse":
-        chosen = select_diverse(candidates, config.num_samples, config.seed)
-    else:
-        chosen = candidates[: config.num_samples]
-    if len(chosen) < config.num_samples and config.strategy == "document":
-        raise CalibrationError(
-            f"only {len(chosen)} documents have at least {config.min_length or body} tokens, "
-            f"{config.num_samples} were asked for; lower --num-samples or --seq-len, or use --strategy random"
-        )
+        chosen, source, content_hash, documents, tokens = _text_windows(config, tokenizer, body)
     ids = torch.tensor([prefix + window for window in chosen], dtype=torch.long)
     metadata = {
         "format": FORMAT,
         "quantkit_version": __version__,
         "tokenizer": str(getattr(tokenizer, "name_or_path", "")),
         "tokenizer_hash": tokenizer_fingerprint(tokenizer),
-        "source": docs.source,
-        "source_hash": docs.content_hash,
+        "source": source,
+        "source_hash": content_hash,
         "params": json.dumps(
             {
                 "num_samples": config.num_samples,
@@ -183,7 +174,7 @@ def build_calibration(
     calibration = CalibrationSet(input_ids=ids, metadata=metadata)
     if output is not None:
         calibration.save(Path(output))
-    return CalibrationResult(calibration, time.perf_counter() - start, len(docs), sum(map(len, encoded)))
+    return CalibrationResult(calibration, time.perf_counter() - start, documents, tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +208,33 @@ class TextCoverage:
         words = _round2(need * self.words_per_token)
         kilobytes = max(1, round(need * self.bytes_per_token / 1000))
         return f"{need:,} tokens (about {words:,} words, {kilobytes:,} KB of text like this)"
+
+
+def _text_windows(
+    config: CalibrationConfig, tokenizer: PreTrainedTokenizerBase, body: int
+) -> tuple[list[list[int]], str, str, int, int]:
+    """Windows of ``body`` tokens drawn from ``config.dataset``'s text, with the text's source, content hash,
+    document count and token count."""
+    docs = load_documents(config.dataset, text_column=config.text_column, render_chat=_chat_renderer(tokenizer))
+    encoded = encode_documents(tokenizer, docs.texts, show_progress=config.show_progress)
+    generator = torch.Generator().manual_seed(config.seed)
+    if config.strategy == "document":
+        candidates = document_windows(encoded, body, config.min_length or body, generator)
+    else:
+        stream = join_documents(encoded, tokenizer.eos_token_id)
+        if len(stream) >= body:  # a text shorter than one window gets random_windows' own message
+            check_text_coverage(TextCoverage.of(docs.texts, len(stream), config.num_samples, body), config.allow_small)
+        candidates = random_windows(stream, body, _pool_size(config), generator)
+    if config.select == "diverse":
+        chosen = select_diverse(candidates, config.num_samples, config.seed)
+    else:
+        chosen = candidates[: config.num_samples]
+    if len(chosen) < config.num_samples and config.strategy == "document":
+        raise CalibrationError(
+            f"only {len(chosen)} documents have at least {config.min_length or body} tokens, "
+            f"{config.num_samples} were asked for; lower --num-samples or --seq-len, or use --strategy random"
+        )
+    return chosen, docs.source, docs.content_hash, len(docs), sum(map(len, encoded))
 
 
 def check_text_coverage(coverage: TextCoverage, allow_small: bool) -> None:

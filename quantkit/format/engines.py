@@ -16,6 +16,16 @@ Sources (read 2026-11): vLLM :data:`VLLM_VERSION` ``compressed_tensors_wNa16.py`
 passes), each kernel's ``can_implement``; compressed-tensors 0.20 ``quant_args.py``, ``forward_helpers.py`` and
 ``pack_quantized``; transformers 5.23 ``quantizer_compressed_tensors.py``; llama.cpp ``ggml-common.h``.
 Tensor parallelism 1 is assumed (each partition is the whole N or K).
+
+Float and activation-quantized schemes (FP8, NVFP4, MX formats, W8A8, W4AFP8) add layout rules here and take their
+kernels from :mod:`quantkit.format.float_engines`. compressed-tensors 0.20 quantizes grouped tensors, weights and
+activations alike, only in whole groups (``forward_helpers._process_group``: "tensor column shape must be divisible
+by the given group_size"), so K must be a multiple of NVFP4's 16 and the MX formats' 32, and of FP8_BLOCK's 128
+(its activations are grouped by 128 along K, and vLLM's ``per_token_group_quant_fp8`` asserts it); FP4 codes pack
+two to a byte (``nvfp4/helpers.py``: "an even number of columns"). Those group sizes are the format's, so no layout
+policy changes them (:func:`format_fixes_group`): the layer is kept in float (``--ignore``) or another preset taken.
+Block weights' rows are padded by compressed-tensors (``maybe_pad_tensor_for_block_quant``), but vLLM merges fused
+linears (:data:`~quantkit.format.float_engines.MERGED_PARTS_RULE`, :func:`merged_rows_problem`).
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from quantkit.format.scheme import QuantScheme
+from quantkit.format.float_engines import HOPPER, MERGED_PARTS_RULE, float_kernel, kv_cache_kernel, takes_float_rules
+from quantkit.format.scheme import KVCacheScheme, QuantScheme
 
 FALLBACK_GROUP_SIZES = (128, 64, 32)  # the group sizes every engine's kernels take, largest first
 STRICT, FALLBACK, QUANTKIT_ONLY = "strict", "fallback", "quantkit-only"
@@ -45,7 +56,6 @@ TRANSFORMERS_BROKEN = {
 }
 VLLM_VERSION = "0.33"  # the vLLM release whose source the kernel rules below were read from
 
-HOPPER, AMPERE = 90, 80  # compute capabilities inspect reports vLLM's kernels for
 _MACHETE_GROUPS = (-1, 64, 128)
 _MARLIN_GROUPS = (-1, 32, 64, 128)
 _CONCH_GROUPS = (-1, 128)
@@ -66,9 +76,36 @@ def layout_problem(scheme: QuantScheme, in_features: int) -> str | None:
         return f"group size {scheme.group_size} does not divide its {in_features} in-features"
     if scheme.block and in_features % scheme.block:
         return f"block size {scheme.block} does not divide its {in_features} in-features"
+    acts = scheme.activations
+    if acts is not None and acts.group_size and in_features % acts.group_size:
+        return f"input groups of {acts.group_size} do not divide its {in_features} in-features"
+    if scheme.is_float and scheme.bits == 4 and in_features % 2:
+        return f"FP4 codes pack two to a byte, and its {in_features} in-features are odd"
     if scheme.act_order and not scheme.static_groups:
         return "act-order with dynamic groups (actorder 'group', a g_idx per layer)"
     return None
+
+
+def format_fixes_group(scheme: QuantScheme) -> bool:
+    """Whether the format fixes the group size (NVFP4's 16, MX's 32, FP8_BLOCK's 128 blocks): the fallback layout
+    policy cannot give such a layer a smaller group, so a layer the group does not fit is an error."""
+    return scheme.is_float and (scheme.group_size > 0 or scheme.block > 0)
+
+
+def merged_rows_problem(scheme: QuantScheme, out_features: int) -> str | None:
+    """Why vLLM refuses a linear it merges with the next one of its fused group (q and k of q/k/v, gate of gate/up):
+    under block scales its out-features must be whole blocks; None when they are (or the scheme has no blocks)."""
+    if scheme.block and out_features % scheme.block:
+        return f"block size {scheme.block} does not divide its {out_features} out-features ({MERGED_PARTS_RULE})"
+    return None
+
+
+def layout_fix(scheme: QuantScheme) -> str:
+    """What to do about a layer a float preset cannot hold, for an error message."""
+    return (
+        f"keep it in float with --ignore, or pick a preset whose group fits (the {scheme.name} group is the "
+        "format's, no layout policy changes it)"
+    )
 
 
 def fallback_scheme(scheme: QuantScheme, in_features: int) -> QuantScheme:
@@ -118,11 +155,18 @@ def transformers_support(scheme: QuantScheme, in_features: int) -> Support:
     return Support(f"loads (compressed-tensors >={DENSE_PACKING_SINCE})" if dense else "loads")
 
 
-def vllm_kernel(scheme: QuantScheme, out_features: int, in_features: int, capability: int) -> Support:
-    """The kernel vLLM's compressed-tensors WNA16 scheme picks for a layer on a GPU of this compute capability."""
-    problem = layout_problem(scheme, in_features)
+def vllm_kernel(
+    scheme: QuantScheme, out_features: int, in_features: int, capability: int, merged_ahead: bool = False
+) -> Support:
+    """The kernel vLLM's compressed-tensors scheme picks for a layer on a GPU of this compute capability: WNA16's
+    kernel table for integer weight-only schemes, :mod:`quantkit.format.float_engines` for the others;
+    ``merged_ahead``: vLLM merges the layer with a following one (q, k; gate)."""
+    problem = layout_problem(scheme, in_features) or (merged_ahead and merged_rows_problem(scheme, out_features))
     if problem:
         return Support(None, problem)
+    if takes_float_rules(scheme):
+        kernel, reason = float_kernel(scheme, capability)
+        return Support(kernel, reason, fast=kernel is not None and "weight-only" not in kernel)
     bits, sym, group = scheme.bits, scheme.symmetric, scheme.group_size
     if not sym and bits not in (4, 8):
         return Support(None, f"asymmetric {bits}-bit weights (vLLM takes zero points for 4 and 8 bits only)")
@@ -142,8 +186,16 @@ def vllm_kernel(scheme: QuantScheme, out_features: int, in_features: int, capabi
     return Support(None, f"no kernel for {scheme.name} on compute capability {capability / 10:.1f}")
 
 
+def kv_cache_support(kv: KVCacheScheme, capability: int) -> Support:
+    """The attention backend vLLM serves an FP8 KV cache with, under the checkpoint's k/v scales."""
+    kernel, reason = kv_cache_kernel(kv, capability)
+    return Support(kernel, reason)
+
+
 def gptq_support(scheme: QuantScheme, in_features: int) -> Support:
     """Whether ``quantkit export --format gptq`` can hold the layer exactly, and vLLM's kernel for the result."""
+    if takes_float_rules(scheme):
+        return Support(None, f"{scheme.name} (GPTQ v1 holds integer weights with 16-bit activations)")
     if not scheme.symmetric:
         return Support(None, "asymmetric (the GPTQ v1 export writes symmetric schemes)")
     if scheme.bits not in GPTQ_BITS:
@@ -161,6 +213,8 @@ def gguf_type(scheme: QuantScheme | None, in_features: int) -> Support:
     """The GGUF block type that holds a layer's codes exactly (F16/BF16 for an unquantized one)."""
     if scheme is None:
         return Support("F16/BF16")
+    if scheme.is_float:
+        return Support(None, f"{scheme.name} float codes (GGUF blocks hold integer codes)")
     if scheme.act_order and not scheme.static_groups:
         return Support(None, "dynamic act-order groups (GGUF blocks are contiguous)")
     group = in_features if scheme.per_channel else scheme.group_size

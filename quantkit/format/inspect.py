@@ -1,4 +1,5 @@
-"""Size report of a quantized checkpoint, read from headers only: bits per weight per layer, per scheme and overall.
+"""Size report of a quantized checkpoint, read from headers only: bits per weight per layer, per scheme and overall;
+each scheme's weight format and activation scheme, the KV cache scheme, and where the checkpoint loads.
 
 Layers are listed in natural order (``layers.2`` before ``layers.10``); :class:`SchemeGroup` sums the layers that
 share a scheme (the groups add up to the quantized totals). Sizes are shown in MB (10^6 bytes, as everywhere).
@@ -18,10 +19,13 @@ from safetensors import safe_open
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import VLLM_VERSION
 from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
+from quantkit.format.kv_cache import KV_SCALES
 from quantkit.format.loads_in import EngineVerdict, LayerShape, loads_in
-from quantkit.format.quantization_config import parse_quantization_config
+from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.scheme_labels import activation_format, kv_cache_format, weight_format
 from quantkit.format.sizes import format_mb, mb_number
-from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO
+from quantkit.format.tensors import G_IDX, GLOBAL, INPUT_GLOBAL, INPUT_SCALE, PACKED, SCALE, SHAPE, WEIGHT, ZERO
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
 
 _BITS = {"BOOL": 1, "U8": 8, "I8": 8, "F8_E4M3": 8, "F8_E5M2": 8, "I16": 16, "F16": 16, "BF16": 16}
 _BITS |= {"I32": 32, "F32": 32, "U32": 32, "I64": 64, "F64": 64, "U64": 64}
-_QUANT_PARTS = (PACKED, SCALE, ZERO, G_IDX)  # counted in bits per weight (weight_shape is not)
+_QUANT_PARTS = (PACKED, WEIGHT, SCALE, ZERO, G_IDX, GLOBAL)  # counted in bits per weight
+_UNCOUNTED_PARTS = (SHAPE, INPUT_SCALE, INPUT_GLOBAL)  # a layer's, but not its weight's storage
 
 
 @dataclass(slots=True)
@@ -56,6 +61,8 @@ class SchemeGroup:
     params: int = 0
     bytes: int = 0  # as LayerReport.bytes, summed
     bits_per_weight: float = 0.0  # the group's stored bits / its params
+    weights: str = ""  # e.g. "NVFP4 g16, FP8 scales + global" (quantkit.format.scheme_labels)
+    activations: str = ""  # e.g. "FP8 dynamic per-token", "16-bit"
 
 
 @dataclass(slots=True)
@@ -72,6 +79,7 @@ class CheckpointReport:
     checkpoint_bytes: int = 0  # safetensors files on disk
     dense_bf16_bytes: int = 0
     dense_from_reference: bool = False  # dense size measured from a reference checkpoint
+    kv_cache: str = "16-bit"  # the KV cache scheme, e.g. "FP8, static per-tensor k/v scales"
     loads_in: list[EngineVerdict] = field(default_factory=list)
 
     @property
@@ -112,12 +120,34 @@ def _headers(files: list[Path]) -> dict[str, _TensorInfo]:
     return infos
 
 
-def _weight_shape(infos: dict[str, _TensorInfo], key: str) -> tuple[int, int]:
-    if key not in infos:
-        raise QuantkitError(f"checkpoint tensor {key!r} is missing; the checkpoint is incomplete, re-export it")
-    with safe_open(str(infos[key].file), framework="pt") as handle:
-        n, k = handle.get_tensor(key).tolist()
-    return int(n), int(k)
+def _weight_shape(infos: dict[str, _TensorInfo], prefix: str, scheme: QuantScheme) -> tuple[int, int]:
+    """(out, in) features of a quantized Linear: its ``weight_shape`` (pack-quantized), its packed FP4 codes (two a
+    byte) or its unpacked codes (int8 / FP8 ``weight``)."""
+    key = f"{prefix}.{SHAPE}"
+    if key in infos:
+        with safe_open(str(infos[key].file), framework="pt") as handle:
+            n, k = handle.get_tensor(key).tolist()
+        return int(n), int(k)
+    packed, weight = infos.get(f"{prefix}.{PACKED}"), infos.get(f"{prefix}.{WEIGHT}")
+    if packed is not None and scheme.is_float and len(packed.shape) == 2:
+        return packed.shape[0], 2 * packed.shape[1]
+    if weight is not None and len(weight.shape) == 2:
+        return weight.shape[0], weight.shape[1]
+    raise QuantkitError(f"checkpoint tensor {key!r} is missing; the checkpoint is incomplete, re-export it")
+
+
+def _quantized_prefixes(infos: dict[str, _TensorInfo], layout: QuantizationLayout) -> list[tuple[str, QuantScheme]]:
+    """Every quantized Linear (it has a ``weight_scale``; a dense weight has none) with its scheme, in natural order."""
+    found = []
+    for key in infos:
+        if not key.endswith("." + SCALE):
+            continue
+        prefix = key.removesuffix("." + SCALE)
+        scheme = layout.scheme_for(prefix)
+        if scheme is None:
+            raise QuantkitError(f"{prefix} is quantized but quantization_config gives it no scheme")
+        found.append((prefix, scheme))
+    return sorted(found, key=lambda item: natural_key(item[0]))
 
 
 def _safetensors_bytes(path: Path) -> int:
@@ -129,12 +159,14 @@ def natural_key(name: str) -> list[int | str]:
     return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
 
 
-def scheme_groups(layers: list[LayerReport]) -> list[SchemeGroup]:
-    """The layers summed per scheme, fewest bits per weight first."""
+def scheme_groups(layers: list[LayerReport], schemes: dict[str, QuantScheme] | None = None) -> list[SchemeGroup]:
+    """The layers summed per scheme, fewest bits per weight first; ``schemes`` (name -> scheme) describes each."""
     groups: dict[str, SchemeGroup] = {}
     bits: dict[str, float] = {}
     for layer in layers:
-        group = groups.setdefault(layer.scheme, SchemeGroup(layer.scheme))
+        scheme = (schemes or {}).get(layer.scheme)
+        described = {} if scheme is None else _described(scheme)
+        group = groups.setdefault(layer.scheme, SchemeGroup(layer.scheme, **described))
         group.layers += 1
         group.params += layer.params
         group.bytes += layer.bytes
@@ -144,27 +176,32 @@ def scheme_groups(layers: list[LayerReport]) -> list[SchemeGroup]:
     return sorted(groups.values(), key=lambda g: (g.bits_per_weight, g.scheme))
 
 
+def _described(scheme: QuantScheme) -> dict[str, str]:
+    return {"weights": weight_format(scheme), "activations": activation_format(scheme.activations)}
+
+
 def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointReport:
-    """Per-layer and total bits per weight of a ``pack-quantized`` checkpoint (tensors are not loaded)."""
+    """Per-layer and total bits per weight of a compressed-tensors checkpoint, each scheme described, the KV cache
+    scheme and where it loads (tensors are not loaded: headers, and ``weight_shape`` where stored)."""
     path = Path(path)
     layout = parse_quantization_config(read_checkpoint_config(path).get("quantization_config") or {})
     files = shard_files(path)
     infos = _headers(files)
     report = CheckpointReport(path=str(path), checkpoint_bytes=_safetensors_bytes(path))
+    report.kv_cache = kv_cache_format(layout.kv_cache)
 
-    prefixes = sorted((key.removesuffix("." + PACKED) for key in infos if key.endswith("." + PACKED)), key=natural_key)
-    consumed: set[str] = set()
+    # the KV cache's k/v scales belong to no Linear and are no source parameter
+    consumed: set[str] = {key for key in infos if key.endswith(tuple("." + name for name in KV_SCALES))}
     shapes: list[LayerShape] = []
+    schemes: dict[str, QuantScheme] = {}
     fallbacks = _layout_fallbacks(path)
     quant_bits = 0
-    for prefix in prefixes:
-        scheme = layout.scheme_for(prefix)
-        if scheme is None:
-            raise QuantkitError(f"{prefix} is packed but quantization_config gives it no scheme")
-        n, k = _weight_shape(infos, f"{prefix}.{SHAPE}")
-        parts = [f"{prefix}.{p}" for p in (*_QUANT_PARTS, SHAPE) if f"{prefix}.{p}" in infos]
-        bits = sum(infos[p].total_bits for p in parts if not p.endswith(SHAPE))
-        consumed.update(parts)
+    for prefix, scheme in _quantized_prefixes(infos, layout):
+        n, k = _weight_shape(infos, prefix, scheme)
+        counted = [f"{prefix}.{p}" for p in _QUANT_PARTS if f"{prefix}.{p}" in infos]
+        bits = sum(infos[p].total_bits for p in counted)
+        consumed.update(counted, (f"{prefix}.{p}" for p in _UNCOUNTED_PARTS if f"{prefix}.{p}" in infos))
+        schemes[scheme.name] = scheme
         layer = LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, ""), bits // 8)
         report.layers.append(layer)
         shapes.append(LayerShape(prefix, scheme, n, k))
@@ -172,16 +209,16 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
         report.quantized_bytes += layer.bytes
         quant_bits += bits
 
-    report.groups = scheme_groups(report.layers)
+    report.groups = scheme_groups(report.layers, schemes)
 
-    report.loads_in = loads_in(shapes)
+    report.loads_in = loads_in(shapes, layout.kv_cache)
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
     report.total_params = report.quantized_params + other
     report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0
     head = infos.get(_rotation_untied_head(path) or "")
     report.untied_head_bytes = 0 if head is None else head.total_bits // 8
     source_params = report.total_params - (0 if head is None else head.numel)
-    all_bits = sum(info.total_bits for key, info in infos.items() if not key.endswith(SHAPE))
+    all_bits = sum(info.total_bits for key, info in infos.items() if not key.endswith("." + SHAPE))
     report.model_bits_per_weight = all_bits / source_params if source_params else 0.0
     if reference is not None:
         report.dense_bf16_bytes = _safetensors_bytes(Path(reference))
@@ -242,20 +279,21 @@ def _groups_table(report: CheckpointReport) -> Table:
     from rich.table import Table
 
     table = Table(title="Per scheme", show_footer=True)
-    footer = ["all quantized", str(len(report.layers)), f"{report.quantized_params:,}"]
+    footer = ["all quantized", "", "", str(len(report.layers)), f"{report.quantized_params:,}"]
     footer += [mb_number(report.quantized_bytes), f"{report.avg_bits_per_weight:.3f}"]
-    for col, total in zip(("scheme", "layers", "params", "MB", "bits/w"), footer, strict=True):
-        table.add_column(col, total, justify="left" if col == "scheme" else "right")
+    columns = ("scheme", "weights", "activations", "layers", "params", "MB", "bits/w")
+    for col, total in zip(columns, footer, strict=True):
+        table.add_column(col, total, justify="left" if col in columns[:3] else "right")
     for group in report.groups:
-        table.add_row(
-            group.scheme, str(group.layers), f"{group.params:,}", mb_number(group.bytes), f"{group.bits_per_weight:.3f}"
-        )
+        row = [group.scheme, group.weights, group.activations, str(group.layers), f"{group.params:,}"]
+        table.add_row(*row, mb_number(group.bytes), f"{group.bits_per_weight:.3f}")
     dense_src = "reference" if report.dense_from_reference else "2 B x params"
     table.caption = (
         f"quantized params {report.quantized_params:,} of {report.total_params:,}; "
         f"checkpoint {format_mb(report.checkpoint_bytes)} vs bf16 {format_mb(report.dense_bf16_bytes)} ({dense_src}), "
         f"x{report.compression_ratio:.2f}; whole model {report.model_bits_per_weight:.3f} bits/w"
     )
+    table.caption += f"; KV cache: {report.kv_cache}"
     if report.untied_head_bytes:
         table.caption += (
             f"; includes an lm_head of {format_mb(report.untied_head_bytes)} that folding the rotation untied "

@@ -26,12 +26,16 @@ def sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch
     return sdpa_attention_forward(module, query, key, value, *args, **kw)
 
 
+def quantize_kv(states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 codes of keys or values under ``scale`` (broadcast against ``states``): what the cache stores."""
+    return (states.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
 def fake_quantize_kv(states: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Keys or values [batch, kv_heads, tokens, head_dim] through FP8 under ``scale`` ([1] or [kv_heads, 1, 1])."""
     s = scale.float().to(states.device)
     s = s.reshape(1, -1, 1, 1) if s.numel() > 1 else s.reshape(1)
-    codes = (states.float() / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return (codes.float() * s).to(states.dtype)
+    return (quantize_kv(states, s).float() * s).to(states.dtype)
 
 
 def _fp8_cache(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any, **kw: Any):

@@ -7,18 +7,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from quantkit.format.engines import (
-    AMPERE,
-    HOPPER,
     TRANSFORMERS_BROKEN,
     TRANSFORMERS_RANGE,
     VLLM_VERSION,
     Support,
     gguf_type,
     gptq_support,
+    kv_cache_support,
     transformers_support,
     vllm_kernel,
 )
-from quantkit.format.scheme import QuantScheme
+from quantkit.format.float_engines import CAPABILITIES, CAPABILITY_NAMES, HOPPER, merged_ahead
+from quantkit.format.scheme import KVCacheScheme, QuantScheme
 
 
 @dataclass(slots=True)
@@ -37,22 +37,41 @@ class LayerShape:
     in_features: int
 
 
+def vllm_engine(capability: int) -> str:
+    """The row name of vLLM on one GPU generation (inspect's table, the docs' columns)."""
+    return f"vLLM, {CAPABILITY_NAMES[capability]} (sm{capability}; predicted from vLLM {VLLM_VERSION} source)"
+
+
+def _vllm_judge(capability: int) -> Callable[[LayerShape], Support]:
+    return lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, capability, merged_ahead(s.name))
+
+
+# Hopper first: the GPUs most quantkit users serve on
 _ENGINES: dict[str, Callable[[LayerShape], Support]] = {
     "transformers": lambda s: transformers_support(s.scheme, s.in_features),
-    f"vLLM, Hopper (sm{HOPPER}; predicted from vLLM {VLLM_VERSION} source)": lambda s: vllm_kernel(
-        s.scheme, s.out_features, s.in_features, HOPPER
-    ),
-    f"vLLM, Ampere (sm{AMPERE}; predicted from vLLM {VLLM_VERSION} source)": lambda s: vllm_kernel(
-        s.scheme, s.out_features, s.in_features, AMPERE
-    ),
+    **{vllm_engine(c): _vllm_judge(c) for c in sorted(CAPABILITIES, key=lambda c: (c != HOPPER, c))},
     "GPTQ v1 (quantkit export)": lambda s: gptq_support(s.scheme, s.in_features),
     "GGUF (quantkit export)": lambda s: gguf_type(s.scheme, s.in_features),
 }
 
 
-def loads_in(layers: list[LayerShape]) -> list[EngineVerdict]:
-    """One verdict per engine over all quantized layers."""
-    return [_verdict(engine, judge, layers) for engine, judge in _ENGINES.items()]
+def loads_in(layers: list[LayerShape], kv_cache: KVCacheScheme | None = None) -> list[EngineVerdict]:
+    """One verdict per engine over all quantized layers; with an FP8 KV cache, vLLM's verdicts name the attention
+    backend that keeps it too (and refuse where none does)."""
+    verdicts = [_verdict(engine, judge, layers) for engine, judge in _ENGINES.items()]
+    if kv_cache is not None:
+        for verdict, capability in ((v, c) for c in CAPABILITIES for v in verdicts if v.engine == vllm_engine(c)):
+            _add_kv_cache(verdict, kv_cache_support(kv_cache, capability))
+    return verdicts
+
+
+def _add_kv_cache(verdict: EngineVerdict, support: Support) -> None:
+    if support.loads:
+        verdict.summary += f"; KV cache: {support.kernel}"
+    else:
+        verdict.loads = False
+        verdict.summary += f"; KV cache refused ({support.reason})"
+    verdict.layers["kv_cache"] = support.label
 
 
 def _verdict(engine: str, judge: Callable[[LayerShape], Support], layers: list[LayerShape]) -> EngineVerdict:

@@ -162,7 +162,7 @@ class QuantScheme:
 
     @property
     def per_tensor(self) -> bool:
-        return self.group_size == 0
+        return self.group_size == 0 and not self.block
 
     @property
     def is_float(self) -> bool:

@@ -22,7 +22,6 @@ Saving, loading and saving again gives the same text. :class:`PlanFile` is the f
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ from quantkit.atomic import write_text
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.sizes import format_mb, mb_number
-from quantkit.mixed.candidates import FP16, all_candidate_names, parse_candidate
+from quantkit.mixed.candidates import FP16, SYNTAX, did_you_mean, parse_candidate
 from quantkit.mixed.planner import Plan, UniformPoint
 from quantkit.schemas.fields import FileModel
 from quantkit.schemas.located import load_yaml, plain
@@ -46,8 +45,9 @@ if TYPE_CHECKING:
     from rich.table import Table
 
 HEADER = (
-    "# quantkit mixed-precision plan. Edit a rule's `scheme` (int<bits>[-g<group>][-asym] or fp16), then run\n"
-    "# `quantkit quantize --plan <this file>`. predicted_error/bits/params/totals are the planner's predictions.\n"
+    "# quantkit mixed-precision plan. Edit a rule's `scheme` (int<bits>[-g<group>][-asym], nvfp4, mxfp4, mxfp8,\n"
+    "# fp8 or fp16), then run `quantkit quantize --plan <this file>`. predicted_error/bits/params/totals are the\n"
+    "# planner's predictions.\n"
 )
 
 
@@ -185,9 +185,7 @@ def _check_scheme(scheme: str) -> str:
     try:
         parse_candidate(scheme)
     except QuantkitError:
-        close = difflib.get_close_matches(scheme.strip().lower(), all_candidate_names(), n=1, cutoff=0.5)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown scheme {scheme!r}; {hint}use int<bits>[-g<group>][-asym] or {FP16}") from None
+        raise ValueError(f"unknown scheme {scheme!r}; {did_you_mean(scheme)}use {SYNTAX}") from None
     return scheme
 
 

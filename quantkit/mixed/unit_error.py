@@ -14,12 +14,13 @@ from torch import nn
 
 from quantkit.eval.logit_metrics import token_kl
 from quantkit.format.engines import layout_problem
-from quantkit.format.scheme import QuantScheme
+from quantkit.format.scheme import QuantizedWeight, QuantScheme
 from quantkit.mixed.candidates import unit_storage_bits
 from quantkit.mixed.measurement import CandidateCost, UnitMeasurement
 from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.quantization.solvers.gptq import GPTQSettings, gptq_solve, hessian_weighted_error
+from quantkit.quantization.solvers.grid import row_stack
 
 
 @dataclass(slots=True)
@@ -69,6 +70,22 @@ def loadable_candidates(
     }
 
 
+def solve_unit(
+    weights: list[torch.Tensor],
+    hessian: torch.Tensor,
+    scheme: QuantScheme,
+    gptq: GPTQSettings,
+    storage: torch.dtype,
+    name: str,
+) -> list[QuantizedWeight]:
+    """A unit's linears solved as ``quantize --method gptq`` solves a stage, on the scheme's own grid (integer, FP8,
+    FP4): row-stacked into one matrix, so that a scale every row shares (NVFP4's global scale) is one for the fused
+    projection, as the checkpoint stores it and vLLM serves it; integer rows come out as one linear at a time."""
+    stacked, rows = row_stack(weights, scheme)
+    result = gptq_solve(stacked, hessian, scheme, gptq, scale_dtype=storage, name=name, overwrite=True)
+    return [result.weight.rows(part) for part in rows]
+
+
 @dataclass(slots=True)
 class UnitMeter:
     """Measures units: the candidates (name -> scheme with the run's solver options; None: fp16), how they are
@@ -96,17 +113,11 @@ class UnitMeter:
         anchor = min(quantized, key=lambda n: options[n].bits) if self.mode == "hybrid" and quantized else None
         kl_scale = 1.0
         for candidate in quantized:
-            solved = [
-                gptq_solve(
-                    m.weight.data,
-                    hessian,
-                    schemes[candidate],  # type: ignore[arg-type]
-                    self.gptq,
-                    scale_dtype=self.storage,
-                    name=f"{prefix}.{n}",
-                ).weight.dequantize()
-                for m, n in zip(modules, stage.linears, strict=True)
-            ]
+            weights = [m.weight.data for m in modules]
+            scheme = schemes[candidate]
+            assert scheme is not None  # fp16 is not solved
+            unit = solve_unit(weights, hessian, scheme, self.gptq, self.storage, f"{prefix}.{stage.name}")
+            solved = [part.dequantize() for part in unit]
             if self.mode == "kl":
                 options[candidate].error = self._kl(modules, solved, index)
                 continue

@@ -29,6 +29,7 @@ from quantkit.quantization.methods.composition import (
     with_solver_options,
 )
 from quantkit.quantization.methods.registry import option
+from quantkit.quantization.scheme_checks import check_calibration
 
 KV_CACHE_NAMES = {"fp8": "tensor", "fp8-head": "attn_head"}  # --kv-cache-scheme -> compressed-tensors strategy
 
@@ -44,7 +45,8 @@ class QuantizeConfig:
 
     solvers: list[Any] = field(default_factory=lambda: parse_method(DEFAULT_METHOD))
     scheme: QuantScheme | None = None
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # None: no calibration data (the API's data-free job); a job that calibrates anything then fails up front
+    calibration: CalibrationConfig | None = field(default_factory=CalibrationConfig)
     calibration_file: Path | None = None  # from `quantkit calibrate`; None: windows as `calibration` says
     ignore: list[str] = option([], "Regex of linears to keep in float (repeatable); lm_head always is.")
     planned: dict[str, QuantScheme | None] | None = None
@@ -156,6 +158,7 @@ class QuantizeConfig:
             raise QuantkitError(
                 f"unknown activation observer '{self.activation_observer}'; use one of {', '.join(OBSERVERS)}"
             )
-        if self.calibration_file is None:
+        check_calibration(self)  # calibration=None: nothing the job calibrates (static scales, a KV cache)
+        if self.calibration_file is None and self.calibration is not None:
             self.calibration.validate()
         resolve_device(self.device)  # an unknown or unavailable device fails before any work

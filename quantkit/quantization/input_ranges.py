@@ -81,7 +81,7 @@ class InputRangeObserver:
         return found
 
     def float_output(self) -> torch.Tensor:
-        raise NotImplementedError("an input observer follows the quantized block only")
+        raise RuntimeError("an input observer follows the quantized block only: it has no float output")
 
 
 def sample_stride(total_rows: int, observer: str) -> int:

@@ -18,6 +18,7 @@ from quantkit.model.source_weights import SourceWeights, config_json
 from quantkit.quantization.assignment import SchemeAssignment, check_exports, fit_layouts, uniform_assignment
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import JobSteps
+from quantkit.quantization.scheme_checks import check_float_layouts, check_kv_cache
 
 NO_CALIBRATION = "none"
 # Bumped when what the fingerprint hashes changes meaning, so that a work directory of an older quantkit is not
@@ -59,6 +60,9 @@ def scheme_assignment(config: QuantizeConfig, arch: ArchSpec, weights: SourceWei
     else:
         assignment = uniform_assignment(arch, num_layers_of(weights.path), config.resolved_scheme(), config.ignore)
     in_features = weights.in_features(list(assignment.schemes))
+    # before the layout policy: a float format's group is its own, and no policy may change it
+    check_float_layouts(assignment.schemes, in_features)
+    check_kv_cache(config, str(config_json(weights.path).get("model_type", "")))
     assignment = fit_layouts(assignment, in_features, config.layout_policy)
     check_exports(assignment, in_features, config.export_formats, weights.storage_dtype())
     return assignment

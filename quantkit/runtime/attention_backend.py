@@ -14,9 +14,10 @@ so grouped-query attention needs no K/V repeat). The Triton backend uses the ``k
 8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): a layer's :class:`LayerKV` then carries ``k_scale``/``v_scale``
 (float16 ``[num_blocks, block_size, Hkv]``) and the caches hold int8 / float8_e4m3fn values; every write quantizes
 (per token and kv head) and every read dequantizes; keys are stored in a rotated basis (``LayerKV.rotation``), so
-queries are rotated the same way. Prefill then always reads K/V back from the pages, the fresh rows included, so a
-token sees the same (quantized) keys and values whether its context was computed in one prefill, in chunks, from
-the prefix cache or by decoding. Without scales every path is exactly the unquantized one.
+queries are rotated the same way. Under a checkpoint's stored scales (``LayerKV.stored_scales``) writes quantize
+under them instead and keys are not rotated. Prefill then always reads K/V back from the pages, the fresh rows
+included, so a token sees the same (quantized) keys and values whether its context was computed in one prefill, in
+chunks, from the prefix cache or by decoding. Without scales every path is exactly the unquantized one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels.backend import triton_available
 from quantkit.runtime.kv_cache import LayerKV, gather_pages, rotate, write_key_value_rows
+from quantkit.runtime.kv_stored_scales import write_under_stored_scales
 
 
 @dataclass(slots=True)
@@ -49,6 +51,9 @@ class AttentionBackend(ABC):
     name = "base"
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> None:
+        if kv.stored_scales is not None:  # FP8 under the checkpoint's calibrated scales
+            write_under_stored_scales(k, v, (kv.k, kv.v), kv.stored_scales, meta.slot_mapping)
+            return
         if kv.k_scale is not None and kv.v_scale is not None:  # 8-bit cache: quantize each (token, head) row
             write_key_value_rows(k, v, (kv.k, kv.v), (kv.k_scale, kv.v_scale), meta.slot_mapping)
             return
@@ -157,7 +162,8 @@ class TritonAttentionBackend(AttentionBackend):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> None:
         from quantkit.runtime.kernels.kv_cache_write import kv_cache_write
 
-        if kv.quantized and not _triton_handles(kv.k):
+        # the write kernel computes each row's own scale; rows under stored scales are written by torch
+        if kv.stored_scales is not None or (kv.quantized and not _triton_handles(kv.k)):
             super().write_kv(k, v, kv, meta)
         else:
             kv_cache_write(k, v, kv.k, kv.v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)

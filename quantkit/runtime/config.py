@@ -49,8 +49,9 @@ class EngineConfig:
     seed: int = _option(0, "Seeds sampling for requests without their own seed.")
     kv_cache_dtype: str = _option(
         "auto",
-        f"KV-cache storage: {', '.join(KV_CACHE_DTYPES)} (auto: the compute dtype; int8/fp8: 8 bits with a scale per "
-        "token and head, about 2x the tokens of bf16 in the same memory).",
+        f"KV-cache storage: {', '.join(KV_CACHE_DTYPES)} (auto: the compute dtype, or FP8 under the checkpoint's "
+        "k_scale/v_scale when it has a kv_cache_scheme; int8/fp8: 8 bits with a scale per token and head, about 2x "
+        "the tokens of bf16 in the same memory).",
     )
     speculative: str | None = _option(
         None,

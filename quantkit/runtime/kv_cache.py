@@ -30,6 +30,12 @@ so a per-row scale leaves the other channels few levels; the rotation spreads ev
 On SmolLM2-135M (6 windows of 256) it cut the int8 cache's KL against the float cache from 7.1e-4 to 2.6e-4;
 rotating the values as well gave no further gain (2.3e-4) for two more matmuls a layer, so values are stored
 as they are. The kernels need no change: they store and read whatever rows they are given.
+
+Stored scales: a checkpoint with a ``kv_cache_scheme`` brings its own calibrated FP8 scales (one per layer or per KV
+head, :mod:`quantkit.runtime.kv_stored_scales`); its cache stores ``e4m3(x / scale)`` under them as vLLM does, with no
+per-row scales and no rotation (the scales were calibrated on the keys as they are). Its reads are this module's:
+each layer's scales are handed out broadcast over every slot, so the read paths and kernels see the per-slot
+layout they know.
 """
 
 from __future__ import annotations
@@ -78,11 +84,18 @@ def qmax_of(dtype: torch.dtype) -> float:
 
 
 def bytes_per_block(
-    num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+    num_layers: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str = "auto",
+    row_scales: bool = True,
 ) -> int:
-    """Bytes of one KV block over all layers, K and V, scales included."""
+    """Bytes of one KV block over all layers, K and V, per-row scales included (``row_scales=False``: a cache under
+    stored scales, which keeps none per row)."""
     elem = torch.empty((), dtype=storage_dtype(kv_cache_dtype, dtype)).element_size()
-    per_head = head_dim * elem + (SCALE_DTYPE.itemsize if is_quantized(kv_cache_dtype) else 0)
+    per_head = head_dim * elem + (SCALE_DTYPE.itemsize if is_quantized(kv_cache_dtype) and row_scales else 0)
     return 2 * num_layers * block_size * num_kv_heads * per_head
 
 
@@ -178,6 +191,9 @@ class LayerKV:
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # [D, D] float32 (:func:`kv_rotation`)
+    # the checkpoint's calibrated per-head scales (K, V: float32 [Hkv]); writes quantize under them, and
+    # k_scale / v_scale are then these broadcast over every slot
+    stored_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def quantized(self) -> bool:
@@ -186,7 +202,8 @@ class LayerKV:
 
 class KVCache:
     """Every layer's K/V pages: ``values [2, L, num_blocks, block_size, Hkv, D]`` (K then V) in the storage
-    dtype and, for 8-bit storage, ``scales [2, L, num_blocks, block_size, Hkv]`` float16 (else ``None``)."""
+    dtype and, for 8-bit storage, ``scales [2, L, num_blocks, block_size, Hkv]`` float16 (else ``None``); under a
+    checkpoint's ``stored_scales [2, L, Hkv]`` (float32, an FP8 cache) no per-row scales."""
 
     def __init__(
         self,
@@ -198,27 +215,48 @@ class KVCache:
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
         device: torch.device | str = "cpu",
+        stored_scales: torch.Tensor | None = None,
     ) -> None:
+        expected = ("fp8", (2, num_layers, num_kv_heads))
+        if stored_scales is not None and (kv_cache_dtype, tuple(stored_scales.shape)) != expected:
+            raise ValueError(
+                f"stored scales are for an fp8 cache, [2, {num_layers}, {num_kv_heads}]; got {kv_cache_dtype} "
+                f"{list(stored_scales.shape)}"
+            )
         self.kv_cache_dtype = kv_cache_dtype
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.bytes_per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype)
+        row_scales = stored_scales is None
+        self.bytes_per_block = bytes_per_block(
+            num_layers, block_size, num_kv_heads, head_dim, dtype, kv_cache_dtype, row_scales
+        )
         shape = (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.values = torch.zeros(shape, dtype=storage_dtype(kv_cache_dtype, dtype), device=device)
         self.scales: torch.Tensor | None = None
-        if is_quantized(kv_cache_dtype):
+        self.stored_scales = stored_scales.float().to(device) if stored_scales is not None else None
+        if is_quantized(kv_cache_dtype) and row_scales:
             self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device)
 
     @property
     def quantized(self) -> bool:
-        return self.scales is not None
+        return self.scales is not None or self.stored_scales is not None
 
     @property
     def nbytes(self) -> int:
-        scales = self.scales.nbytes if self.scales is not None else 0
+        scales = sum(t.nbytes for t in (self.scales, self.stored_scales) if t is not None)
         return self.values.nbytes + scales
 
     def layer(self, i: int) -> LayerKV:
         """Layer ``i``'s pages (and, for 8-bit storage, its scales and the key rotation)."""
+        if self.stored_scales is not None:
+            k_scale, v_scale = self.stored_scales[0, i], self.stored_scales[1, i]
+            slots = (self.num_blocks, self.block_size, k_scale.shape[0])
+            return LayerKV(
+                self.values[0, i],
+                self.values[1, i],
+                k_scale.expand(slots),  # one scale per head for every slot: no copy
+                v_scale.expand(slots),
+                stored_scales=(k_scale, v_scale),
+            )
         if self.scales is None:
             return LayerKV(self.values[0, i], self.values[1, i])
         rotation = kv_rotation(self.values.shape[-1], self.values.device)

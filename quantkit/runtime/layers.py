@@ -1,9 +1,11 @@
-"""Building blocks of the runtime's decoder: RMSNorm, rotary embedding, dense/quantized Linear, MLP, attention.
+"""Building blocks of the runtime's decoder: RMSNorm, rotary embedding, MLP, attention (the Linear they are made of
+lives in :mod:`quantkit.runtime.linear`).
 
 Tokens are flattened across sequences: activations are ``[T, hidden]`` with one row per scheduled token, and
 attention splits them back per sequence through :class:`~quantkit.runtime.attention_backend.AttentionMetadata`.
 Modules are built on the meta device, filled by ``load_state_dict(assign=True)`` with checkpoint tensors, then
-``prepare``-d once for the chosen backend (dequantize or keep packed; fuse q/k/v and gate/up when dense).
+``prepare``-d once for the chosen backend (dequantize or keep packed; fuse q/k/v and gate/up when dense and their
+inputs are quantized alike).
 Rounding points follow Hugging Face's eager Llama so that fp32 greedy decoding matches ``generate``.
 """
 
@@ -19,9 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantkit.errors import QuantkitError
-from quantkit.format.pack import packed_words
-from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import G_IDX, PACKED, SCALE, SHAPE, ZERO, read_linear, records_g_idx
+from quantkit.runtime.linear import FusedLinear, Linear, fuse_linears
 
 if TYPE_CHECKING:
     from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
@@ -141,109 +141,6 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-# ----------------------------------------------------------------------------------------------- Linear
-
-
-class Linear(nn.Module):
-    """``y = x W^T + b`` with W dense or held as compressed-tensors ``pack-quantized`` buffers.
-
-    A quantized layer (``quantize(scheme)`` on the meta device, before loading) is ``prepare``-d either by
-    dequantizing once into the compute dtype (torch backend; fastest on CPU) or by keeping the packed tensors
-    for the Triton ``quant_matmul`` kernel (4/8 bits on CUDA).
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        self.scheme: QuantScheme | None = None
-        self.use_kernel = False
-
-    def quantize(self, scheme: QuantScheme, scale_dtype: torch.dtype = torch.bfloat16) -> None:
-        """Swap the dense weight for empty checkpoint buffers of ``scheme`` (names as in the checkpoint)."""
-        n, k, bits, groups = self.out_features, self.in_features, scheme.bits, scheme.num_groups(self.in_features)
-        device = self.weight.device if self.weight is not None else None
-        self.weight = None
-        self.scheme = scheme
-        self.register_buffer(PACKED, torch.empty(n, packed_words(k, bits), dtype=torch.int32, device=device))
-        self.register_buffer(SCALE, torch.empty(n, groups, dtype=scale_dtype, device=device))
-        if not scheme.symmetric:
-            self.register_buffer(ZERO, torch.empty(packed_words(n, bits), groups, dtype=torch.int32, device=device))
-        self.register_buffer(SHAPE, torch.empty(2, dtype=torch.int64, device=device))
-        if records_g_idx(scheme):
-            self.register_buffer(G_IDX, torch.empty(k, dtype=torch.int32, device=device))
-
-    def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """``(q - zero) * scale`` computed in fp32 (as the reference QuantLinear does), then cast."""
-        assert self.scheme is not None
-        buffers = {name: t.cpu() for name, t in self.named_buffers(recurse=False)}
-        return read_linear(buffers, "", self.scheme).dequantize(dtype).to(self.weight_packed.device)
-
-    def prepare(self, dtype: torch.dtype, use_kernel: bool) -> None:
-        """Pick the compute path after loading: packed kernel (4/8 bits) or a dense weight in ``dtype``."""
-        if self.bias is not None:
-            self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
-        if self.scheme is None:
-            assert self.weight is not None
-            self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
-            return
-        if use_kernel and self.scheme.bits in (4, 8):
-            self.use_kernel = True
-            return
-        dense = self.dequantized_weight(dtype)
-        for name in (PACKED, SCALE, ZERO, SHAPE, G_IDX):
-            self._buffers.pop(name, None)
-        self.scheme = None
-        self.weight = nn.Parameter(dense, requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.use_kernel:
-            from quantkit.runtime.kernels.quant_matmul import quant_matmul
-
-            assert self.scheme is not None
-            return quant_matmul(
-                x,
-                self.weight_packed,
-                self.weight_scale,
-                getattr(self, ZERO, None),
-                getattr(self, G_IDX, None),
-                self.scheme.bits,
-                self.scheme.group_size,
-                self.bias,
-            )
-        return F.linear(x, self.weight, self.bias)
-
-    @property
-    def is_dense(self) -> bool:
-        return self.weight is not None and not self.use_kernel
-
-    def extra_repr(self) -> str:
-        scheme = self.scheme.name if self.scheme is not None else "dense"
-        return f"in_features={self.in_features}, out_features={self.out_features}, {scheme}"
-
-
-def fuse_linears(linears: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """Concatenated (weight, bias) of dense linears sharing an input, or None when one is not dense.
-
-    Each linear's own weight (and bias) becomes a view into the fused tensor, so fusing costs no memory.
-    """
-    if not all(lin.is_dense for lin in linears):
-        return None
-    weight = torch.cat([lin.weight for lin in linears], dim=0)  # type: ignore[misc]
-    bias = None
-    if any(lin.bias is not None for lin in linears):
-        bias = torch.cat([lin.bias if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears])
-    start = 0
-    for lin in linears:
-        rows = slice(start, start + lin.out_features)
-        lin.weight = nn.Parameter(weight[rows], requires_grad=False)
-        if lin.bias is not None and bias is not None:
-            lin.bias = nn.Parameter(bias[rows], requires_grad=False)
-        start += lin.out_features
-    return weight, bias
-
-
 # ----------------------------------------------------------------------------------------------- MLP
 
 
@@ -255,14 +152,14 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, intermediate, bias)
         self.up_proj = Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
-        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused dense weight, set by prepare
+        self.gate_up: FusedLinear | None = None  # gate and up as one matmul, set by prepare
 
     def prepare(self) -> None:
         self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)
@@ -294,7 +191,7 @@ class Attention(nn.Module):
         self.o_proj = Linear(num_heads * head_dim, hidden, o_bias)
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fused dense weight, set by prepare
+        self.qkv: FusedLinear | None = None  # q, k and v as one matmul, set by prepare
         self.backend: AttentionBackend | None = None  # set by the model runner
         self.kv: LayerKV | None = None  # this layer's paged cache, set by the model runner
 
@@ -307,7 +204,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)

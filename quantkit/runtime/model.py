@@ -5,8 +5,9 @@ architecture table, :mod:`quantkit.model.architectures`: every family there is a
 
 The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load
 as they are: the model is built on the meta device from config.json, every Linear the quantization_config
-targets becomes packed buffers, then all shards are loaded with ``assign=True`` and the model is ``prepare``-d
-for its backend. Tied embeddings share the embedding matrix with the LM head.
+targets becomes the buffers its format stores, then all shards are loaded with ``assign=True`` and the model is
+``prepare``-d for its backend. Tied embeddings share the embedding matrix with the LM head. A checkpoint with a
+``kv_cache_scheme`` also loads every attention's ``k_scale`` / ``v_scale``: its KV cache is FP8 under them.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from torch import nn
 
 from quantkit.errors import QuantkitError, UnsupportedArchitectureError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
+from quantkit.format.loader import keeps_stored_dtype
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
 from quantkit.format.tensors import SCALE
 from quantkit.model.architectures import arch_for_model_type
 from quantkit.runtime.attention_backend import AttentionMetadata
+from quantkit.runtime.kv_stored_scales import register_kv_scale_buffers
 from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
 
 
@@ -180,13 +183,14 @@ def _apply_layout(model: CausalLM, layout: QuantizationLayout, scale_dtypes: Map
 
 
 def _load_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """All checkpoint tensors on ``device``; float tensors cast to ``dtype`` except quantization scales."""
+    """All checkpoint tensors on ``device``; float tensors cast to ``dtype`` except codes and quantization scales
+    (read as the format loader reads them)."""
     state: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt", device=str(device)) as handle:
             for key in handle.keys():  # noqa: SIM118
                 tensor = handle.get_tensor(key)
-                if tensor.is_floating_point() and not key.endswith("." + SCALE):
+                if not keeps_stored_dtype(key, tensor):
                     tensor = tensor.to(dtype)
                 state[key] = tensor
     return state
@@ -207,12 +211,14 @@ def load_model(
     files = shard_files(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    if raw.get("quantization_config"):
-        layout = parse_quantization_config(raw["quantization_config"])
-        if _apply_layout(model, layout, scale_dtypes(files)) == 0:
-            raise QuantkitError(f"quantization_config of {path} targets no Linear layer of the model")
+    layout = parse_quantization_config(raw["quantization_config"]) if raw.get("quantization_config") else None
+    if layout is not None and _apply_layout(model, layout, scale_dtypes(files)) == 0:
+        raise QuantkitError(f"quantization_config of {path} targets no Linear layer of the model")
 
     state = _load_state(files, dtype, device)
+    if layout is not None and layout.kv_cache is not None:  # the cache runs in FP8 under these (model_runner)
+        attentions = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
+        register_kv_scale_buffers(attentions, state, cfg.num_kv_heads)
     state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # tied: the embedding matrix is the head

@@ -14,6 +14,7 @@ import torch
 
 from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
 from quantkit.runtime.kv_cache import KVCache, bytes_per_block
+from quantkit.runtime.kv_stored_scales import resolve_kv_cache_dtype, stored_kv_scales
 from quantkit.runtime.layers import Attention
 from quantkit.runtime.logprobs import TokenLogprob, token_logprobs
 from quantkit.runtime.model import CausalLM
@@ -33,10 +34,24 @@ class ScoredRows(NamedTuple):
     ks: list[int]
 
 
+def _attentions(model: CausalLM) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
+def model_kv_scales(model: CausalLM) -> torch.Tensor | None:
+    """The checkpoint's calibrated KV scales, float32 ``[2, L, Hkv]`` (None when it has no kv_cache_scheme)."""
+    return stored_kv_scales(_attentions(model), model.config.num_kv_heads)
+
+
 def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """Bytes of one KV block (all layers, K and V; 8-bit storage counts its float16 scales)."""
+    """Bytes of one KV block (all layers, K and V; 8-bit storage counts its float16 per-row scales, a cache under
+    the checkpoint's scales has none)."""
     cfg = model.config
-    return bytes_per_block(cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype)
+    stored = model_kv_scales(model) is not None
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, stored)
+    return bytes_per_block(
+        cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype, row_scales=not stored
+    )
 
 
 class ModelRunner:
@@ -52,12 +67,20 @@ class ModelRunner:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device = model.model.embed_tokens.weight.device
+        stored = model_kv_scales(model)  # a checkpoint's calibrated FP8 cache replaces computed scales
         self.cache = KVCache(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype, self.device
+            cfg.num_layers,
+            num_blocks,
+            block_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            resolve_kv_cache_dtype(kv_cache_dtype, stored is not None),
+            self.device,
+            stored_scales=stored,
         )
         self.kv_cache = self.cache.values  # [2, L, num_blocks, block_size, Hkv, D]; scales in self.cache.scales
-        layers = [m for m in model.modules() if isinstance(m, Attention)]
-        for i, attn in enumerate(layers):
+        for i, attn in enumerate(_attentions(model)):
             attn.kv, attn.backend = self.cache.layer(i), backend
 
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The engine table: layouts compressed-tensors refuses, vLLM's kernel per layer, GPTQ and GGUF types."""
+"""The engine table: layouts compressed-tensors refuses, vLLM's kernel per layer (integer, float and activation
+schemes, the FP8 KV cache), GPTQ and GGUF types; docs/formats.md's preset table is the table rendered."""
 
 from __future__ import annotations
 
@@ -9,21 +10,25 @@ from packaging.requirements import Requirement
 from packaging.specifiers import Specifier, SpecifierSet
 
 from quantkit.format.engines import (
-    AMPERE,
     DENSE_PACKING_SINCE,
-    HOPPER,
     TRANSFORMERS_VERSIONS,
     VLLM_VERSION,
     fallback_scheme,
+    format_fixes_group,
     gguf_type,
     gptq_support,
+    kv_cache_support,
     layout_problem,
+    merged_rows_problem,
     transformers_support,
     vllm_kernel,
     widest_dividing_group,
 )
-from quantkit.format.loads_in import LayerShape, loads_in
-from quantkit.format.scheme import QuantScheme
+from quantkit.format.float_engines import AMPERE, BLACKWELL, HOPPER
+from quantkit.format.loads_in import LayerShape, loads_in, vllm_engine
+from quantkit.format.preset_table import k_multiple, presets_markdown
+from quantkit.format.presets import PRESETS
+from quantkit.format.scheme import ActivationScheme, KVCacheScheme, QuantScheme
 
 
 def s(bits: int = 4, group: int = 64, symmetric: bool = True, **kw) -> QuantScheme:
@@ -117,3 +122,129 @@ def _pins(extra: str | None = None) -> dict[str, SpecifierSet]:
 def test_the_transformers_range_inspect_prints_is_the_pyproject_pin():
     assert _pins()["transformers"] == SpecifierSet(TRANSFORMERS_VERSIONS)
     assert Specifier(f">={DENSE_PACKING_SINCE}") in set(_pins("dev")["compressed-tensors"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Float and activation-quantized presets
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "k", "problem"),
+    [
+        ("NVFP4", 168, "group size 16 does not divide its 168 in-features"),  # even, a multiple of 8, not of 16
+        ("NVFP4", 160, None),
+        ("NVFP4A16", 40, "group size 16"),
+        ("MXFP4", 48, "group size 32 does not divide its 48 in-features"),
+        ("MXFP8", 96, None),
+        ("FP8_BLOCK", 192, "block size 128 does not divide its 192 in-features"),
+        ("FP8_BLOCK", 256, None),
+        ("FP8_DYNAMIC", 577, None),  # per-channel weights, per-token inputs: any K
+        ("FP8", 577, None),
+        ("W8A8", 577, None),
+        ("W4AFP8", 576, "group size 128"),
+    ],
+)
+def test_float_layout_rules(name, k, problem):
+    found = layout_problem(PRESETS[name], k)
+    assert (found is None) == (problem is None), found
+    if problem:
+        assert problem in found
+
+
+def test_input_groups_and_fp4_pairs_are_rules_of_their_own():
+    grouped_inputs = s(bits=8, group=-1, type="float", activations=ActivationScheme("float", 8, "group", True, 128))
+    assert layout_problem(grouped_inputs, 192) == "input groups of 128 do not divide its 192 in-features"
+    assert layout_problem(grouped_inputs, 384) is None
+    # the FP4 pair rule is reached by no preset (16 and 32 are even) but holds for any FP4 layout
+    assert k_multiple(PRESETS["NVFP4"]) == 16 and k_multiple(PRESETS["MXFP4A16"]) == 32
+    assert k_multiple(PRESETS["FP8_BLOCK"]) == 128 and k_multiple(PRESETS["FP8_DYNAMIC"]) == 1
+    assert k_multiple(PRESETS["W4A16"]) == 128 and k_multiple(PRESETS["W8A8"]) == 1
+
+
+def test_the_format_fixes_float_groups_only():
+    assert format_fixes_group(PRESETS["NVFP4"]) and format_fixes_group(PRESETS["MXFP8A16"])
+    assert format_fixes_group(PRESETS["FP8_BLOCK"])
+    assert not format_fixes_group(PRESETS["FP8_DYNAMIC"]) and not format_fixes_group(PRESETS["FP8"])
+    assert not format_fixes_group(PRESETS["W4A16"]) and not format_fixes_group(PRESETS["W4AFP8"])
+
+
+def test_block_scales_need_whole_blocks_of_merged_rows_in_vllm_only():
+    assert "block size 128 does not divide its 192 out-features" in merged_rows_problem(PRESETS["FP8_BLOCK"], 192)
+    assert merged_rows_problem(PRESETS["FP8_BLOCK"], 256) is None
+    assert merged_rows_problem(PRESETS["FP8_DYNAMIC"], 192) is None
+    # k_proj's 64 rows (2 KV heads of 32) ahead of v_proj in vLLM's merged q/k/v; v_proj is last, o_proj unmerged
+    block = PRESETS["FP8_BLOCK"]
+    layers = [LayerShape(f"model.layers.0.self_attn.{n}_proj", block, 64, 128) for n in ("k", "v", "o")]
+    verdicts = {v.engine: v for v in loads_in(layers)}
+    hopper = verdicts[vllm_engine(HOPPER)]
+    assert not hopper.loads and "out-features" in hopper.layers["model.layers.0.self_attn.k_proj"]
+    assert hopper.layers["model.layers.0.self_attn.v_proj"].startswith("DeepGEMM")
+    assert hopper.layers["model.layers.0.self_attn.o_proj"].startswith("DeepGEMM")
+    assert verdicts["transformers"].loads  # compressed-tensors pads block rows
+
+
+@pytest.mark.parametrize(
+    ("name", "cap", "kernel", "fast"),
+    [
+        ("FP8_DYNAMIC", HOPPER, "CUTLASS FP8", True),
+        ("FP8", AMPERE, "FP8 Marlin (weight-only", False),  # below sm89: W8A16Fp8, activations stay 16-bit
+        ("FP8", BLACKWELL, "FlashInfer / CUTLASS FP8", True),
+        ("FP8_BLOCK", HOPPER, "DeepGEMM / CUTLASS block FP8", True),
+        ("W8A8", AMPERE, "CUTLASS INT8", True),
+        ("INT8", BLACKWELL, "CUTLASS INT8", True),
+        ("W4AFP8", HOPPER, "CUTLASS W4A8", True),
+        ("NVFP4", BLACKWELL, "FlashInfer CUTLASS FP4", True),
+        ("NVFP4", HOPPER, "FP4 Marlin (weight-only", False),
+        ("NVFP4A16", AMPERE, "FP4 Marlin", True),
+        ("MXFP4", BLACKWELL, "FlashInfer MXFP4", True),
+        ("MXFP4", AMPERE, "MXFP4 Marlin (weight-only", False),
+        ("MXFP4A16", HOPPER, "MXFP4 Marlin", True),
+        ("MXFP8", BLACKWELL, "FlashInfer CUTLASS MXFP8", True),
+        ("W4A16", BLACKWELL, "Marlin", True),  # integer weight-only keeps the WNA16 table (Machete is Hopper's)
+    ],
+)
+def test_vllm_kernel_of_each_preset(name, cap, kernel, fast):
+    support = vllm_kernel(PRESETS[name], 4096, 4096, cap)
+    assert support.loads and support.kernel.startswith(kernel) and support.fast == fast
+
+
+def test_vllm_refuses_w4afp8_off_hopper_and_a_layout_the_format_refuses():
+    for cap in (AMPERE, BLACKWELL):
+        refused = vllm_kernel(PRESETS["W4AFP8"], 4096, 4096, cap)
+        assert not refused.loads and "Hopper only" in refused.reason
+    refused = vllm_kernel(PRESETS["NVFP4"], 4096, 168, BLACKWELL)
+    assert not refused.loads and "group size 16" in refused.reason
+    assert not transformers_support(PRESETS["MXFP4"], 48).loads and transformers_support(PRESETS["MXFP4"], 64).loads
+
+
+def test_kv_cache_backends():
+    tensor, head = KVCacheScheme(strategy="tensor"), KVCacheScheme(strategy="attn_head")
+    assert kv_cache_support(tensor, HOPPER).kernel == "FlashAttention 3"
+    assert kv_cache_support(tensor, AMPERE).kernel.startswith("FlashInfer")  # FlashAttention 2 keeps no FP8 cache
+    assert kv_cache_support(head, HOPPER).loads
+    for cap in (AMPERE, BLACKWELL):
+        assert "FlashAttention 3" in kv_cache_support(head, cap).reason and not kv_cache_support(head, cap).loads
+
+
+def test_exports_refuse_float_and_activation_schemes():
+    assert "GPTQ v1 holds integer weights" in gptq_support(PRESETS["W8A8"], 576).reason
+    assert not gptq_support(PRESETS["FP8_DYNAMIC"], 576).loads
+    assert "GGUF blocks hold integer codes" in gguf_type(PRESETS["NVFP4A16"], 576).reason
+
+
+def test_loads_in_names_the_kv_cache_backend_and_refuses_where_none_keeps_it():
+    layers = [LayerShape("q", PRESETS["FP8_DYNAMIC"], 4096, 4096)]
+    verdicts = {v.engine: v for v in loads_in(layers, KVCacheScheme(strategy="attn_head"))}
+    hopper, ampere = verdicts[vllm_engine(HOPPER)], verdicts[vllm_engine(AMPERE)]
+    assert hopper.loads and hopper.summary == "CUTLASS FP8 1; KV cache: FlashAttention 3"
+    assert not ampere.loads and "KV cache refused (per-head KV scales" in ampere.summary
+    assert verdicts["transformers"].loads and len(verdicts) == 6
+
+
+def test_the_preset_table_in_the_docs_is_the_engine_table():
+    text = (REPO / "docs" / "formats.md").read_text()
+    table = text.split("<!-- presets:start -->\n", 1)[1].split("\n<!-- presets:end -->", 1)[0]
+    assert table == presets_markdown()
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    assert [row.split("`")[1] for row in rows[: len(PRESETS)]] == list(PRESETS)  # every preset, in order

@@ -186,4 +186,5 @@ def test_the_cli_refuses_float_targets_without_gptq(tiny_model_dir, tiny_calib_f
     args = ["quantize", str(tiny_model_dir), "-o", str(out), "--calib", str(tiny_calib_file), "--method", method]
     code, _, err = run_cli([*args, "--group-size", "32", "--float-targets"], capsys)
     assert code == 2 and not out.exists()
-    assert f"float targets work only with gptq: method '{method}' has no gptq step; use gptq, awq+gptq" in err
+    use = "use gptq, awq+gptq, smoothquant+gptq"
+    assert f"float targets work only with gptq: method '{method}' has no gptq step; {use}" in err

@@ -340,7 +340,7 @@ RULES = [
         "    gptq:\n      damp: 0.01",
         "    rtn: {}\n    float_targets: {}",
         "quantization.solvers",
-        "float targets work only with gptq: method 'rtn' has no gptq step; use gptq, awq+gptq",
+        "float targets work only with gptq: method 'rtn' has no gptq step; use gptq, awq+gptq, smoothquant+gptq",
         "float-targets-without-gptq",
         -1,
     ),

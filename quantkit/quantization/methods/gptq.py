@@ -7,13 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from quantkit.errors import QuantkitError
 from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.gptq import gptq_solve, hessian_weighted_error
+from quantkit.quantization.solvers.grid import row_stack
 
 
 @dataclass
@@ -41,8 +40,9 @@ class _Hooks(Hooks):
         matrix once equals solving each linear alone, with one factorisation and one column sweep."""
         hessian, scheme = job.hessian, job.scheme
         assert hessian is not None, "GPTQ needs the stage's Hessian"
+        stacked, parts = row_stack(job.weights, scheme)
         result = gptq_solve(  # the stacked copy is the solver's alone: it works in it and frees it early
-            torch.cat(job.weights).float(),
+            stacked,
             hessian,
             scheme,
             config,
@@ -51,10 +51,9 @@ class _Hooks(Hooks):
             overwrite=True,
             parking=job.parking,
         )
-        out, start = [], 0
-        for w, name in zip(job.weights, job.full_names, strict=True):
-            rows = slice(start, start + w.shape[0])
-            start = rows.stop
+        del stacked
+        out = []
+        for w, name, rows in zip(job.weights, job.full_names, parts, strict=True):
             part = result.weight.rows(rows)
             loss = hessian_weighted_error(w, part.dequantize(), hessian)
             out.append((part, LayerRecord(name, scheme.name, loss, result.damp, result.fell_back_to_rtn)))

@@ -5,12 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from quantkit.quantization.methods.hooks import Hooks, Solved, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
-from quantkit.quantization.solvers.grid import quantize_rtn
+from quantkit.quantization.solvers.grid import quantize_rtn, row_stack
 
 
 @dataclass(frozen=True)
@@ -24,12 +22,12 @@ class _Hooks(Hooks):
         same codes as one by one), and a scale shared by every row (per tensor, NVFP4's global scale) is then one
         for the fused projection the serving engine builds from them."""
         scheme = job.scheme
-        stacked = quantize_rtn(torch.cat(job.weights), scheme, scale_dtype=job.storage)
-        out, start = [], 0
-        for w, name in zip(job.weights, job.full_names, strict=True):
-            out.append((stacked.rows(slice(start, start + w.shape[0])), LayerRecord(name, scheme.name, None, None)))
-            start += w.shape[0]
-        return out
+        stacked, rows = row_stack(job.weights, scheme)
+        solved = quantize_rtn(stacked, scheme, scale_dtype=job.storage)
+        return [
+            (solved.rows(part), LayerRecord(name, scheme.name, None, None))
+            for part, name in zip(rows, job.full_names, strict=True)
+        ]
 
 
 SWITCH = Switch("method")

@@ -9,7 +9,7 @@ weights bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -264,6 +264,21 @@ def group_slices(in_features: int, scheme: QuantScheme) -> list[slice]:
     """Column slices of the groups in column order (the last may be shorter)."""
     step = scheme.group_len(in_features)
     return [slice(start, min(start + step, in_features)) for start in range(0, in_features, step)]
+
+
+def row_stack(weights: Sequence[torch.Tensor], scheme: QuantScheme) -> tuple[torch.Tensor, list[slice]]:
+    """Linears that share an input as one row-stacked float32 matrix, and each one's rows in it. Under a block
+    scheme each linear starts on a tile boundary (zero rows pad the one before: they widen no tile's range), so
+    every tile's scale belongs to one linear, as the checkpoint stores it."""
+    align = scheme.block or 1
+    parts, slices, start = [], [], 0
+    for w in weights:
+        n = w.shape[0]
+        pad = -n % align
+        parts.append(torch.nn.functional.pad(w.float(), (0, 0, 0, pad)) if pad else w.float())
+        slices.append(slice(start, start + n))
+        start += n + pad
+    return torch.cat(parts), slices
 
 
 def quantize_rtn(

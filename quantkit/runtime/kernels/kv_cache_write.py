@@ -127,18 +127,25 @@ def _check_inputs(
 
 
 def _check_quantized_cache(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor, device: torch.device
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    device: torch.device,
+    scale_dtypes: tuple[torch.dtype, ...] = (torch.float16,),
 ) -> None:
-    """8-bit caches of one format with float16 scales ``[num_blocks, block_size, Hkv]`` (shared by the kernels)."""
+    """8-bit caches of one format with scales ``[num_blocks, block_size, Hkv]`` (shared by the kernels): float16 as
+    the write kernel computes them; the read kernel also takes a checkpoint's float32 scales, broadcast over slots."""
     if k_cache.dtype not in _QUANT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(
             f"with scales, k_cache/v_cache must share an 8-bit dtype (int8 or float8_e4m3fn), got {k_cache.dtype} "
             f"and {v_cache.dtype}"
         )
     for name, t, cache in (("k_scale", k_scale, k_cache), ("v_scale", v_scale, v_cache)):
-        if t.dtype != torch.float16 or tuple(t.shape) != tuple(cache.shape[:3]):
+        if t.dtype not in scale_dtypes or tuple(t.shape) != tuple(cache.shape[:3]):
+            dtypes = "/".join(str(d).removeprefix("torch.") for d in scale_dtypes)
             raise ValueError(
-                f"{name} must be float16 {tuple(cache.shape[:3])} (one scale per slot and kv head), got {t.dtype} "
+                f"{name} must be {dtypes} {tuple(cache.shape[:3])} (one scale per slot and kv head), got {t.dtype} "
                 f"{tuple(t.shape)}"
             )
         if t.device != device or cache.device != device:

@@ -13,6 +13,8 @@ second small kernel.
 8-bit caches (int8 / float8_e4m3fn) come with float16 ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``
 (one scale per token slot and kv head): the kernel loads the 8-bit rows and their scales and dequantizes in
 registers (``value * scale`` in fp32), so a K/V load moves 1 byte per element plus 2 bytes per row.
+A cache under a checkpoint's stored scales passes each layer's float32 per-head scales broadcast over the slots
+(stride 0): the same loads, served from cache.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def _check_inputs(
     if k_scale is not None and v_scale is not None:
         from quantkit.runtime.kernels.kv_cache_write import _check_quantized_cache
 
-        _check_quantized_cache(k_cache, v_cache, k_scale, v_scale, q.device)
+        _check_quantized_cache(k_cache, v_cache, k_scale, v_scale, q.device, (torch.float16, torch.float32))
     elif k_cache.dtype not in _FLOAT_DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"k_cache/v_cache must share a float dtype, got {k_cache.dtype} and {v_cache.dtype}")
     _, _, hkv, dk = k_cache.shape

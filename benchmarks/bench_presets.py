@@ -40,7 +40,7 @@ from benchmarks.record import record_table
 console = Console(width=160)
 LAYER0 = "model.layers.0."
 SCHEME_KEYS = ("format", "weights", "input_activations")  # per config group; observers are each library's choice
-IGNORED_ARG_KEYS = ("observer", "observer_kwargs")
+IGNORED_ARG_KEYS = ("observer", "observer_kwargs", "actorder")  # solver choices: no stored tensor differs
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,18 @@ class Case:
     label: str
     args: tuple[str, ...]
     llmc: tuple[str, ...] = ()  # reference directory names under --llmc-ref
-    note: str = ""
+    calibrated: bool = True  # False: data-free, the shared calibration file is not given
 
 
+SELF_CALIBRATION = ("--dataset", "self", "--num-samples", "8", "--seq-len", "256")  # data-free: the model's text
 CASES = (
-    Case("FP8_DYNAMIC", ("--scheme", "FP8_DYNAMIC", "--method", "rtn", "--mse-clip"), ("FP8_DYNAMIC",), "data-free"),
-    Case("FP8_DYNAMIC gptq", ("--scheme", "FP8_DYNAMIC", "--method", "gptq")),
+    Case(
+        "FP8_DYNAMIC",
+        ("--scheme", "FP8_DYNAMIC", "--method", "gptq", *SELF_CALIBRATION),
+        ("FP8_DYNAMIC",),
+        calibrated=False,
+    ),
+    Case("FP8_DYNAMIC rtn", ("--scheme", "FP8_DYNAMIC", "--method", "rtn", "--mse-clip"), calibrated=False),
     Case("FP8", ("--scheme", "FP8", "--method", "gptq"), ("FP8",)),
     Case("FP8 + KV fp8", ("--scheme", "FP8", "--method", "gptq", "--kv-cache-scheme", "fp8"), ("FP8_KV",)),
     Case(
@@ -70,7 +76,7 @@ CASES = (
     Case("MXFP4", ("--scheme", "MXFP4", "--method", "gptq"), ("MXFP4",)),
     Case("MXFP8A16", ("--scheme", "MXFP8A16", "--method", "gptq"), ("MXFP8A16",)),
     Case("MXFP8", ("--scheme", "MXFP8", "--method", "gptq"), ("MXFP8",)),
-    Case("W4A16 g32", ("--scheme", "W4A16", "--group-size", "32", "--method", "gptq"), (), "4.5 bits/w as NVFP4A16"),
+    Case("W4A16 g32", ("--scheme", "W4A16", "--group-size", "32", "--method", "gptq")),
 )
 
 
@@ -208,7 +214,8 @@ def parameter_count(model: str) -> int:
 
 def quantkit_row(case: Case, model: str, calib: Path, out: Path) -> Row:
     checkpoint = out / case.label.replace(" ", "_").replace("+", "plus")
-    args = ("quantize", model, "-o", checkpoint, "--calib", calib, "--force", *case.args)
+    calibration = ("--calib", calib) if case.calibrated else ()
+    args = ("quantize", model, "-o", checkpoint, *calibration, "--force", *case.args)
     done = run(quantkit_cmd(*args), checkpoint.with_name(checkpoint.name + ".log"))
     row = Row(case.label, "quantkit", " ".join(case.args), str(checkpoint))
     row.seconds, row.seconds_source, row.peak_rss_mb = done.seconds, "this run (whole process)", done.peak_rss_mb
@@ -247,6 +254,15 @@ def fill_scores(row: Row, scorer: Scorer, parameters: int) -> None:
     row.extra["tokens"] = scores["tokens"]
 
 
+def calibration_summary(path: Path) -> str:
+    """``N x L tokens of SOURCE``, from the calibration file's own metadata."""
+    from quantkit.data.calibration import CalibrationSet
+
+    calibration = CalibrationSet.load(path)
+    windows, length = calibration.input_ids.shape
+    return f"{windows} x {length} tokens of {calibration.metadata.get('source', path.name)}"
+
+
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -271,6 +287,26 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
 
 
 COLUMNS = ["preset", "library", "recipe", "size MB", "bits/w", "time s", "ppl", "ppl +%", "KL mean", "top-1", "layout"]
+
+
+NOTES = [
+    "layout: layer 0's tensor names, dtypes and shapes and the quantization_config's scheme keys "
+    "(observers and act-order aside) compared with quantkit's checkpoint of the same preset.",
+    "FP8_DYNAMIC: quantkit's rows read no text. `--dataset self` runs GPTQ on windows the model wrote "
+    "itself; `rtn` reads nothing at all. llm-compressor's FP8_DYNAMIC is data-free round-to-nearest.",
+    "llm-compressor's NAME_GPTQ rows are its GPTQModifier with the preset as scheme; its other rows are "
+    "QuantizationModifier (round-to-nearest, calibrated input, global and KV scales); W8A8_SQ_GPTQ is "
+    "SmoothQuantModifier(smoothing_strength=0.8) then GPTQModifier.",
+]
+
+
+def protocol_text(calib: Path, eval_windows: int) -> str:
+    return (
+        f"SmolLM2-135M-Instruct; both libraries calibrate on the same windows ({calibration_summary(calib)}); "
+        f"every checkpoint scored by the same code on the first {eval_windows} windows of 512 tokens of held-out "
+        "Persuasion (no BOS), inputs and KV cache quantized as the serving kernel does. quantkit's time is its "
+        "whole process in this run; llm-compressor's is from its own run (load, oneshot, save)."
+    )
 
 
 def main() -> None:
@@ -325,19 +361,11 @@ def main() -> None:
             args.record,
             title="GPU-serving presets side by side with llm-compressor",
             order=35,
-            protocol=(
-                f"SmolLM2-135M-Instruct; both libraries calibrate on the same {args.calib.name} windows; every "
-                f"checkpoint scored by the same code on the first {args.eval_windows} windows of 512 tokens of "
-                "held-out Persuasion (no BOS), inputs and KV cache quantized as the serving kernel does. quantkit's "
-                "time is its whole process in this run; llm-compressor's is from its own run (load, oneshot, save)."
-            ),
+            protocol=protocol_text(args.calib, args.eval_windows),
             baseline=f"the float model (ppl {_fmt(reference_ppl, '.3f')}) and llm-compressor 0.14 on the same preset",
             columns=COLUMNS,
             rows=table_rows(rows),
-            notes=[
-                "layout: layer 0's tensor names, dtypes and shapes and the quantization_config's scheme keys "
-                "(observers aside) compared with quantkit's checkpoint of the same preset.",
-            ],
+            notes=NOTES,
         )
 
 

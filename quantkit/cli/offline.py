@@ -159,7 +159,10 @@ def quantize(
     json_out: JsonOption = None,
     job_values: dict | None = None,
 ) -> None:
-    """Quantize a model layer by layer into a packed compressed-tensors checkpoint."""
+    """Quantize a model layer by layer into a packed compressed-tensors checkpoint; ends with the coverage audit
+    (every weight's kind, asked and written scheme, bytes, summed per kind)."""
+    from quantkit.format.coverage import audit_checkpoint
+    from quantkit.format.coverage_table import coverage_tables
     from quantkit.memory import map_large_allocations
     from quantkit.quantization.options import config_from_options
     from quantkit.quantization.pipeline import quantize_model
@@ -188,9 +191,12 @@ def quantize(
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
     out.print(_result_table(model, output, result))
+    audit = audit_checkpoint(output)
+    out.print(coverage_tables(audit, list_exceptions=False))
     summaries = _export_all(output, exports)
     exported = {"exports": [asdict(s) for s in summaries]} if summaries else {}
-    write_json_option(json_out, asdict(result) | {"output": str(result.output)} | exported)
+    fields = {"output": str(result.output), "coverage": audit.to_dict()}
+    write_json_option(json_out, asdict(result) | fields | exported)
 
 
 def _result_table(model: str, output: Path, result: Any) -> Table:
@@ -234,10 +240,15 @@ def inspect(
     json_out: JsonOption = None,
 ) -> None:
     """Layers in natural order grouped by scheme, with per-scheme sums: bits per weight (scales and zeros
-    counted) and sizes in MB (10^6 bytes) against the original."""
+    counted) and sizes in MB (10^6 bytes) against the original; then the coverage audit (every weight per kind,
+    asked and written scheme, fallbacks)."""
+    from quantkit.format.coverage import audit_checkpoint
+    from quantkit.format.coverage_table import coverage_tables
     from quantkit.format.inspect import inspect_checkpoint, render_report
     from quantkit.model.resolve import resolve_model
 
     report = inspect_checkpoint(checkpoint, resolve_model(str(reference)) if reference else None)
+    audit = audit_checkpoint(checkpoint)
     out.print(render_report(report))
-    write_json_option(json_out, report.to_dict())
+    out.print(coverage_tables(audit))
+    write_json_option(json_out, report.to_dict() | {"coverage": audit.to_dict()})

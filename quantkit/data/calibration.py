@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantkit import __version__
+from quantkit.data.diverse import select_diverse
 from quantkit.data.self_generated import SELF_GENERATED, generate_windows
 from quantkit.data.sources import load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
@@ -301,54 +302,6 @@ def document_windows(
         offset = int(torch.randint(0, len(doc) - length + 1, (1,), generator=generator))
         windows.append(doc[offset : offset + length])
     return windows
-
-
-def select_diverse(candidates: list[list[int]], count: int, seed: int) -> list[list[int]]:
-    """Windows that cover the text, one per cluster of similar windows.
-
-    Features: TF-IDF over token ids, reduced with truncated SVD and L2-normalised. Clusters: k-means
-    started from farthest-point (k-center) seeds, so every well-separated region of the text gets a centre
-    however few windows it has; the window nearest each centre is chosen.
-    """
-    if len(candidates) <= count:
-        return candidates
-    import numpy as np
-    from sklearn.cluster import KMeans
-    from sklearn.decomposition import TruncatedSVD
-    from sklearn.feature_extraction.text import TfidfVectorizer
-    from sklearn.preprocessing import normalize
-
-    docs = [" ".join(map(str, window)) for window in candidates]
-    sparse = TfidfVectorizer(token_pattern=r"\S+", sublinear_tf=True).fit_transform(docs)
-    components = min(64, sparse.shape[1] - 1, sparse.shape[0] - 1)
-    dense = TruncatedSVD(components, random_state=seed).fit_transform(sparse) if components >= 2 else sparse.toarray()
-    features = normalize(dense)
-    seeds = farthest_points(features, count)
-    kmeans = KMeans(n_clusters=count, init=features[seeds], n_init=1, random_state=seed).fit(features)
-    distances = kmeans.transform(features)
-    chosen: list[int] = []
-    for cluster in range(count):
-        members = np.flatnonzero(kmeans.labels_ == cluster)
-        if len(members):
-            chosen.append(int(members[distances[members, cluster].argmin()]))
-    for index in seeds:  # a cluster emptied by k-means keeps its seed window
-        if len(chosen) < count and index not in chosen:
-            chosen.append(index)
-    return [candidates[i] for i in chosen]
-
-
-def farthest_points(features, count: int) -> list[int]:
-    """Greedy k-center: start nearest the mean, then repeatedly take the point farthest from those taken."""
-    import numpy as np
-
-    first = int(np.linalg.norm(features - features.mean(axis=0), axis=1).argmin())
-    chosen = [first]
-    nearest = np.linalg.norm(features - features[first], axis=1)
-    while len(chosen) < count:
-        index = int(nearest.argmax())
-        chosen.append(index)
-        nearest = np.minimum(nearest, np.linalg.norm(features - features[index], axis=1))
-    return chosen
 
 
 def _chat_renderer(tokenizer):

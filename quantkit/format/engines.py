@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from quantkit.format.float_engines import HOPPER, MERGED_PARTS_RULE, float_kernel, kv_cache_kernel, takes_float_rules
+from quantkit.format.quantization_config import COMPRESSED_TENSORS_FORMAT
 from quantkit.format.scheme import KVCacheScheme, QuantScheme
 
 FALLBACK_GROUP_SIZES = (128, 64, 32)  # the group sizes every engine's kernels take, largest first
@@ -49,7 +50,9 @@ DENSE_PACKING_SINCE = "0.18"  # compressed-tensors packs 3/5/6/7-bit values dens
 # the transformers releases quantkit supports: pyproject.toml's pin (tests/format/test_engines.py checks they agree);
 # transformers loads compressed-tensors checkpoints through the compressed-tensors package
 TRANSFORMERS_VERSIONS = ">=5.17,<5.23"
-TRANSFORMERS_RANGE = f"transformers {TRANSFORMERS_VERSIONS} with compressed-tensors >={DENSE_PACKING_SINCE}"
+# the compressed-tensors releases that read every layout quantkit writes: the one whose format it writes, and later
+COMPRESSED_TENSORS_SINCE = COMPRESSED_TENSORS_FORMAT.rsplit(".", 1)[0]
+TRANSFORMERS_RANGE = f"transformers {TRANSFORMERS_VERSIONS} with compressed-tensors >={COMPRESSED_TENSORS_SINCE}"
 TRANSFORMERS_BROKEN = {
     "5.23 and 5.24": "refuse asymmetric checkpoints (zero-point shape check) and decode mixed checkpoints with "
     "dequantize=True using the first group's scheme",

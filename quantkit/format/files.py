@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,7 +17,8 @@ from quantkit.format.tensors import SCALE
 from quantkit.format.writer import INDEX_FILE, SINGLE_FILE
 
 RUN_LOG = "quantkit_log.json"  # what `quantkit quantize` records beside the checkpoint (method, data, layers)
-_NOT_SIDE_FILES = {"config.json", INDEX_FILE, RUN_LOG, "quantize_config.json"}
+MODEL_CARD = "README.md"  # the card quantize writes; the float model's own card describes another model
+_NOT_SIDE_FILES = {"config.json", INDEX_FILE, RUN_LOG, MODEL_CARD, "quantize_config.json"}
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")
 
 
@@ -57,6 +59,16 @@ def read_checkpoint_config(path: Path) -> dict:
     if not config_path.is_file():
         raise QuantkitError(f"{path} has no config.json; point to a checkpoint directory")
     return json.loads(config_path.read_text())
+
+
+def read_run_log(path: Path) -> dict[str, Any]:
+    """The parsed run log of a checkpoint directory; {} when there is none or it is not a JSON object."""
+    log = Path(path) / RUN_LOG
+    try:
+        data = json.loads(log.read_text()) if log.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def is_quantized_checkpoint(path: Path) -> bool:

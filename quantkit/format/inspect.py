@@ -7,7 +7,6 @@ share a scheme (the groups add up to the quantized totals). Sizes are shown in M
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -18,7 +17,7 @@ from safetensors import safe_open
 
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import VLLM_VERSION
-from quantkit.format.files import RUN_LOG, read_checkpoint_config, shard_files
+from quantkit.format.files import read_checkpoint_config, read_run_log, shard_files
 from quantkit.format.kv_cache import KV_SCALES
 from quantkit.format.loads_in import EngineVerdict, LayerShape, loads_in
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
@@ -230,22 +229,13 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
 
 def _rotation_untied_head(path: Path) -> str | None:
     """The head tensor quantize recorded as untied from the embedding by folding a rotation, if any."""
-    rotation = _run_log(path).get("rotation")
+    rotation = read_run_log(path).get("rotation")
     return rotation.get("untied_head") if isinstance(rotation, dict) else None
-
-
-def _run_log(path: Path) -> dict[str, Any]:
-    log = path / RUN_LOG
-    try:
-        data = json.loads(log.read_text()) if log.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
-    return data if isinstance(data, dict) else {}
 
 
 def _layout_fallbacks(path: Path) -> dict[str, str]:
     """Layers whose group size ``--layout-policy fallback`` changed, as quantize recorded them."""
-    fallbacks = _run_log(path).get("layout_fallbacks")
+    fallbacks = read_run_log(path).get("layout_fallbacks")
     return dict(fallbacks) if isinstance(fallbacks, dict) else {}
 
 

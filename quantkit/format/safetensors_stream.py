@@ -68,6 +68,17 @@ class StoredTensor:
                 out.write(view)
                 left -= len(view)
 
+    def read_values(self) -> list[int | float]:
+        """The elements of a small tensor (a linear's ``weight_shape``), read from the file."""
+        if self.dtype not in TORCH_DTYPES or not self.nbytes:
+            raise ValueError(f"values of a non-empty tensor of a known dtype, not {self.dtype} {self.shape}")
+        with open(self.path, "rb") as source:
+            source.seek(self.start)
+            data = bytearray(source.read(self.nbytes))
+        if len(data) != self.nbytes:
+            raise OSError(f"{self.path} ends inside tensor data (bytes {self.start}..{self.end})")
+        return torch.frombuffer(data, dtype=TORCH_DTYPES[self.dtype]).tolist()
+
     def read_rows(self, rows: list[int]) -> torch.Tensor:
         """Rows ``rows`` of a 2-D tensor as a [len(rows), width] tensor, each read on its own (never the whole)."""
         if len(self.shape) != 2 or self.dtype not in TORCH_DTYPES:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -112,8 +112,11 @@ class ShardedWriter:
         config: Mapping[str, Any],
         copy_files: Sequence[Path] = (),
         quantization_config: Mapping[str, Any] | None = None,
+        describe: Callable[[Path], None] | None = None,
     ) -> Path:
-        """Write the last shard, index, config.json (plus ``quantization_config`` if given) and copied files."""
+        """Write the last shard, index, config.json (plus ``quantization_config`` if given) and copied files; then
+        ``describe(staged)`` may add files that read the complete checkpoint in ``staged`` (a run log, a model card)
+        before it is renamed into place with them."""
         if self._done:
             raise RuntimeError("ShardedWriter.finalize() called twice or after abort()")
         self._flush()
@@ -131,6 +134,8 @@ class ShardedWriter:
                     f"{src.name} would overwrite a checkpoint file; copy tokenizer/generation files only"
                 )
             shutil.copy2(src, self.tmp_dir / src.name)
+        if describe is not None:
+            describe(self.tmp_dir)
         commit_point("checkpoint-staged")
         self._move_into_place()
         self._done = True

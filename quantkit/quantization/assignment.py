@@ -31,6 +31,7 @@ class SchemeAssignment:
 
     schemes: dict[str, QuantScheme | None]
     fallbacks: dict[str, str] = field(default_factory=dict)  # linear -> "g128 -> g64" (--layout-policy fallback)
+    asked: dict[str, QuantScheme] = field(default_factory=dict)  # linear -> its scheme before the fallback
 
     def for_block(self, prefix: str) -> dict[str, QuantScheme | None]:
         """Relative names (e.g. ``self_attn.q_proj``) of one block's linears."""
@@ -96,6 +97,7 @@ def fit_layouts(assignment: SchemeAssignment, in_features: Mapping[str, int], po
         return assignment
     schemes = dict(assignment.schemes)
     fallbacks = dict(assignment.fallbacks)
+    asked = dict(assignment.asked)
     for name in problems:
         scheme = schemes[name]
         assert scheme is not None
@@ -103,8 +105,9 @@ def fit_layouts(assignment: SchemeAssignment, in_features: Mapping[str, int], po
             raise QuantkitError(_refusal(problems, schemes, in_features))
         schemes[name] = fallback_scheme(scheme, in_features[name])
         fallbacks[name] = f"{group_label(scheme)} -> {group_label(schemes[name])}"
+        asked[name] = scheme
     warnings.warn(fallback_notice(fallbacks), LayoutFallback, stacklevel=2)
-    return SchemeAssignment(schemes, fallbacks)
+    return SchemeAssignment(schemes, fallbacks, asked)
 
 
 class LayoutFallback(UserWarning):

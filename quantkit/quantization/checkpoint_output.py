@@ -1,6 +1,7 @@
 """From finished blocks to the checkpoint: each block's tensors (packed linears, the rest in the storage dtype),
 then the whole directory (non-block tensors, the blocks from the work directory, config.json with its
-``quantization_config``, the tokenizer files, and ``quantkit_log.json``), written atomically."""
+``quantization_config``, the tokenizer files, ``quantkit_log.json`` with the coverage audit, and the model card
+README.md), written atomically."""
 
 from __future__ import annotations
 
@@ -11,14 +12,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from quantkit.format.files import RUN_LOG, side_files
+from quantkit.format.coverage import COVERAGE, audit_checkpoint
+from quantkit.format.files import MODEL_CARD, RUN_LOG, side_files
+from quantkit.format.inspect import inspect_checkpoint
 from quantkit.format.safetensors_stream import stored_tensors
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
 from quantkit.model.source_weights import config_json
+from quantkit.quantization.coverage_intent import linear_intents
 from quantkit.quantization.input_ranges import OBSERVER_NAMES
 from quantkit.quantization.job import QuantizeJob
+from quantkit.quantization.model_card import model_card
 from quantkit.quantization.workdir import WorkDir
 
 
@@ -79,14 +84,24 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
             writer.add({name: tensor})
         for index in range(work.finished):
             writer.add(stored_tensors(work.block_file(index)))
-        (writer.tmp_dir / RUN_LOG).write_text(json.dumps(_run_log(job, work), indent=1, sort_keys=True) + "\n")
         writer.finalize(
             model_config,
             side_files(job.source),
             job.assignment.quantization_config(
                 kv_cache=job.config.kv_cache, activation_observer=OBSERVER_NAMES[job.config.activation_observer]
             ),
+            describe=lambda staged: describe_checkpoint(job, work, staged),
         )
+
+
+def describe_checkpoint(job: QuantizeJob, work: WorkDir, staged: Path) -> None:
+    """The files that describe the staged checkpoint, read back from its shards before it is renamed into place:
+    ``quantkit_log.json`` with the coverage audit, then the model card (which reads the log)."""
+    intents = linear_intents(job.assignment, work.layer_records, planned=job.config.planned is not None)
+    audit = audit_checkpoint(staged, intents)
+    log = _run_log(job, work) | {COVERAGE: audit.to_dict()}
+    (staged / RUN_LOG).write_text(json.dumps(log, indent=1, sort_keys=True) + "\n")
+    (staged / MODEL_CARD).write_text(model_card(job, log, audit, inspect_checkpoint(staged)))
 
 
 def _run_log(job: QuantizeJob, work: WorkDir) -> dict:

@@ -1,8 +1,8 @@
-"""A recipe run's report: a summary of the run (model, method, schemes, size, bits per weight, time), the metrics,
-the gates against their thresholds, plots of the per-layer measurement and the plan's frontier, each stage's time
-and cache hit, the figures, content hashes and the environment; written as report.json and report.md (GitHub
-Markdown, rendered by :mod:`quantkit.recipes.report_markdown`, PNG plots beside it; without matplotlib the report says
-they were skipped), shown as rich tables."""
+"""A recipe run's report: a summary of the run (model, method, schemes, size, bits per weight, time), the coverage
+audit, the metrics, the gates against their thresholds, plots of the per-layer measurement and the plan's frontier,
+each stage's time and cache hit, the figures, content hashes and the environment; written as report.json and
+report.md (GitHub Markdown, rendered by :mod:`quantkit.recipes.report_markdown`, PNG plots beside it; without
+matplotlib the report says they were skipped), shown as rich tables."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PER_LAYER_PNG = "per_layer.png"
 FRONTIER_PNG = "frontier.png"
-GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement")
+GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement", "min_quantized_fraction")
 
 
 @dataclass(slots=True)
@@ -61,6 +61,7 @@ class RecipeReport:
     config: dict[str, Any] = field(default_factory=dict)
     artifacts: dict[str, str] = field(default_factory=dict)  # files the run made: "measurement", "plan" (paths)
     checkpoint: dict[str, Any] = field(default_factory=dict)  # bits per weight, sizes, layers per scheme (inspect)
+    coverage: dict[str, Any] = field(default_factory=dict)  # every weight, asked and written (format.coverage)
     plots: dict[str, str] = field(default_factory=dict)  # title -> PNG file name beside report.md
     plots_note: str = ""  # why there are no plots (none measured, matplotlib missing)
 
@@ -79,12 +80,16 @@ class RecipeReport:
         return lines
 
 
-def check_gates(gates: Any, quantized: dict[str, Any], baseline: dict[str, Any]) -> list[GateResult]:
-    """Each gate the recipe sets (``gates``: its gates section), measured against its threshold."""
+def check_gates(
+    gates: Any, quantized: dict[str, Any], baseline: dict[str, Any], quantized_fraction: float
+) -> list[GateResult]:
+    """Each gate the recipe sets (``gates``: its gates section), measured against its threshold; the evaluations
+    give the quality gates, the checkpoint's coverage audit its ``quantized_fraction``."""
     measured = {
         "max_ppl_increase_pct": (quantized["perplexity"] / baseline["perplexity"] - 1) * 100,
         "max_kl_mean": quantized["kl_mean"],
         "min_top1_agreement": quantized["top1_agreement"],
+        "min_quantized_fraction": quantized_fraction,
     }
     results = []
     for name in GATES:
@@ -131,10 +136,13 @@ def write_report(report: RecipeReport, directory: Path, secrets: dict[str, str] 
 
 
 def complete_report(report: RecipeReport, directory: Path) -> None:
-    """The checkpoint summary (read from its headers, as ``quantkit inspect``) and the plots of the run's per-layer
-    measurement, drawn into ``directory``; without matplotlib, ``plots_note`` says they were skipped."""
+    """The checkpoint summary and its coverage audit (read from its headers, as ``quantkit inspect``) and the plots
+    of the run's per-layer measurement, drawn into ``directory``; without matplotlib, ``plots_note`` says they were
+    skipped."""
     if not report.checkpoint:
         report.checkpoint = checkpoint_summary(Path(report.output))
+    if not report.coverage:
+        report.coverage = coverage_of(Path(report.output))
     if not report.plots and not report.plots_note:
         report.plots, report.plots_note = draw_plots(report, Path(directory))
 
@@ -158,6 +166,18 @@ def checkpoint_summary(path: Path) -> dict[str, Any]:
         "total_params": found.total_params,
         "groups": [asdict(g) for g in found.groups],
     }
+
+
+def coverage_of(path: Path) -> dict[str, Any]:
+    """The coverage audit of the checkpoint in ``path`` as data ({} when there is none)."""
+    from quantkit.format.coverage import audit_checkpoint
+
+    if not (path / "config.json").is_file():
+        return {}
+    try:
+        return audit_checkpoint(path).to_dict()
+    except (QuantkitError, OSError, ValueError):
+        return {}
 
 
 def draw_plots(report: RecipeReport, directory: Path) -> tuple[dict[str, str], str]:

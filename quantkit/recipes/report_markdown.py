@@ -1,4 +1,4 @@
-"""A recipe run's report as GitHub-flavoured Markdown: the summary, metrics, gates and smoke test as tables,
+"""A recipe run's report as GitHub-flavoured Markdown: the summary, coverage, metrics, gates and smoke test as tables,
 relative links to the plots beside report.md, the stages, figures, content hashes and environment, and the resolved
 recipe in a collapsed block."""
 
@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from quantkit.format.coverage import CoverageAudit
+from quantkit.format.coverage_table import coverage_markdown
 from quantkit.format.sizes import format_mb, mb_number
 
 if TYPE_CHECKING:
@@ -90,7 +92,7 @@ METRICS = (  # (label, figure key, format)
 )
 
 
-def _metric_rows(report: RecipeReport) -> list[list[Any]]:
+def metric_rows(report: RecipeReport) -> list[list[Any]]:
     rows = [[label, fmt.format(report.figures[key])] for label, key, fmt in METRICS if key in report.figures]
     if "eval windows" in report.figures:
         tokens = report.figures.get("eval tokens")
@@ -116,8 +118,10 @@ def render_markdown(report: RecipeReport) -> str:
         ]
         lines += ["", "Layers per scheme (MB: packed weights, scales and zero points):", ""]
         lines += _table(["scheme", "layers", "params", "MB", "bits/w"], rows)
+    if report.coverage:
+        lines += ["", "## Coverage", "", *coverage_markdown(CoverageAudit.from_dict(report.coverage))]
     lines += ["", "## Metrics", ""]
-    metrics = _metric_rows(report)
+    metrics = metric_rows(report)
     lines += _table(["metric", "value"], metrics) if metrics else ["No evaluation figures."]
     lines += ["", "## Gates", ""]
     gate_rows = [

@@ -1,4 +1,5 @@
-"""Run a recipe: calibrate -> (sensitivity -> plan) -> quantize -> evaluate -> gates -> smoke, with a report.
+"""Run a recipe: calibrate -> (sensitivity -> plan) -> quantize -> evaluate -> gates -> smoke, with a report (and the
+figures written into the checkpoint's model card).
 
 Each stage is in :mod:`quantkit.recipes.stages`; what is reused from the cache, and by which keys, is in
 :mod:`quantkit.recipes.cache`; the report in :mod:`quantkit.recipes.report`.
@@ -10,7 +11,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from quantkit.format.coverage import audit_checkpoint
 from quantkit.quantization.output_lock import output_lock
+from quantkit.recipes.card_evaluation import update_model_card
 from quantkit.recipes.quantize_stages import check_layouts, export_stage, quantize_stage
 from quantkit.recipes.report import RecipeReport, check_gates, environment, write_report
 from quantkit.recipes.schema import Recipe, recipe_secrets, recipe_to_dict
@@ -54,7 +57,9 @@ def _run(
     quantize_stage(run, model_path, calib_path, plan_path, output)
     export_stage(run, output)
     quantized, baseline = evaluate_stages(run, model_id, output)
-    gates = check_gates(recipe.gates, quantized, baseline)
+    audit = audit_checkpoint(output)
+    run.figures["quantized fraction"] = round(audit.quantized_fraction, 6)
+    gates = check_gates(recipe.gates, quantized, baseline, audit.quantized_fraction)
     smoke = smoke_stage(run, output)
     report = RecipeReport(
         recipe=str(recipe_path) if recipe_path else "",
@@ -69,6 +74,8 @@ def _run(
         smoke=smoke,
         config=recipe_to_dict(recipe),
         artifacts=run.artifacts,
+        coverage=audit.to_dict(),
     )
     write_report(report, report_dir, recipe_secrets(recipe))
+    update_model_card(report, recipe_secrets(recipe))
     return report

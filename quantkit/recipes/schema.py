@@ -186,6 +186,8 @@ class GatesSection(FileModel):
     max_ppl_increase_pct: float | None = None
     max_kl_mean: float | None = Field(None, ge=0)
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
+    # of the block linears' weights (params; embeddings, head and norms aside), the part written quantized
+    min_quantized_fraction: float | None = Field(None, ge=0, le=1)
 
 
 class SmokeSection(FileModel):

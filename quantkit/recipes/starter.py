@@ -70,6 +70,7 @@ gates:                         # each optional; a failing gate makes `quantkit r
   max_ppl_increase_pct: 25.0   # quantized perplexity vs the reference's, in percent
   max_kl_mean: 0.25            # mean KL divergence from the reference (nats/token)
   min_top1_agreement: 0.75     # fraction of positions with the reference's top-1 token
+  min_quantized_fraction: 1.0  # of the block linears' weights, the part written quantized (ignore lowers it)
 
 smoke:
   enabled: false               # serve the checkpoint and check greedy output against the offline engine

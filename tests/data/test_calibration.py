@@ -4,7 +4,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantkit.data.calibration import CalibrationConfig, CalibrationSet, build_calibration, select_diverse
+from quantkit.data.calibration import CalibrationConfig, CalibrationSet, build_calibration
+from quantkit.data.diverse import select_diverse
 from quantkit.errors import CalibrationError, QuantkitError
 
 

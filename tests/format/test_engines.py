@@ -10,7 +10,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import Specifier, SpecifierSet
 
 from quantkit.format.engines import (
-    DENSE_PACKING_SINCE,
+    COMPRESSED_TENSORS_SINCE,
     TRANSFORMERS_VERSIONS,
     VLLM_VERSION,
     fallback_scheme,
@@ -121,7 +121,7 @@ def _pins(extra: str | None = None) -> dict[str, SpecifierSet]:
 
 def test_the_transformers_range_inspect_prints_is_the_pyproject_pin():
     assert _pins()["transformers"] == SpecifierSet(TRANSFORMERS_VERSIONS)
-    assert Specifier(f">={DENSE_PACKING_SINCE}") in set(_pins("dev")["compressed-tensors"])
+    assert Specifier(f">={COMPRESSED_TENSORS_SINCE}") in set(_pins("dev")["compressed-tensors"])
 
 
 # --------------------------------------------------------------------------------------------------

@@ -103,6 +103,13 @@ def eval_(
         str | None,
         typer.Option(help="Reference model: its perplexity, the change in percent, KL divergence, top-1 agreement."),
     ] = EvalConfig.reference,
+    compare: Annotated[
+        str | None,
+        typer.Option(
+            help="A second model scored on the same windows: the paired difference (95% interval) and whether "
+            "MODEL is better, worse or indistinguishable."
+        ),
+    ] = EvalConfig.compare,
     batch_size: Annotated[
         int, typer.Option(help="Windows per forward pass (each holds its logits while scored).")
     ] = EvalConfig.batch_size,
@@ -121,6 +128,7 @@ def eval_(
         max_windows=None if all_windows else max_windows,
         stride=stride,
         reference=reference,
+        compare=compare,
         batch_size=batch_size,
         text_column=text_column,
         device=device,

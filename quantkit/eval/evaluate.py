@@ -21,6 +21,7 @@ from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
 from quantkit.device import DEFAULT_DEVICE, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.eval.logit_metrics import RunningMetrics
+from quantkit.eval.noise import compare_metrics, standard_errors
 from quantkit.memory import release_freed_memory
 from quantkit.progress import progress_bar
 
@@ -41,6 +42,7 @@ class EvalConfig:
     max_windows: int | None = DEFAULT_EVAL_WINDOWS  # None: every window of the text
     stride: int | None = None  # None: non-overlapping windows
     reference: str | None = None  # a model to measure KL divergence and top-1 agreement against
+    compare: str | None = None  # a second model scored on the same windows: paired differences with the first
     text_column: str = "text"
     batch_size: int = 1  # windows per forward pass; each holds [seq_len, vocab] logits per model while scored
     device: str = DEFAULT_DEVICE  # where the models run and the windows are scored (quantkit.device)
@@ -81,6 +83,12 @@ class EvalResult:
     top1_agreement: float | None = None
     reference_perplexity: float | None = None  # the reference's perplexity over the same tokens
     perplexity_change_pct: float | None = None  # (perplexity / reference_perplexity - 1) * 100
+    # standard errors over windows (quantkit/eval/noise.py); the change's is paired with the reference
+    perplexity_se: float | None = None
+    perplexity_change_se: float | None = None  # in percentage points
+    kl_mean_se: float | None = None
+    top1_se: float | None = None
+    comparison: dict | None = None  # --compare: the other model's figures and the paired differences
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -184,6 +192,13 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
                 f"reference '{config.reference}' uses a different tokenizer from '{name}'; "
                 "KL divergence needs the same vocabulary"
             )
+    if config.compare is not None:
+        arch_for_dir(resolve_model(config.compare))
+        if tokenizer_fingerprint(load_tokenizer(config.compare)) != tokenizer_fingerprint(tokenizer):
+            raise QuantkitError(
+                f"--compare '{config.compare}' uses a different tokenizer from '{name}'; a paired comparison scores "
+                "the same tokens with both, so compare models of one tokenizer"
+            )
     device = resolve_device(config.device)
     loaded = load_model(name, device=device)
     reference_fn = None
@@ -215,6 +230,18 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
         result.kl_mean, result.kl_p99, result.top1_agreement = metrics.kl_summary()
         result.reference_perplexity = metrics.reference_perplexity
         result.perplexity_change_pct = perplexity_change_pct(result.perplexity, metrics.reference_perplexity)
+    for figure, value in standard_errors(metrics).items():
+        setattr(result, figure, value)
+    if config.compare is not None:
+        other = load_model(config.compare, device=device)
+        other_metrics = score_windows(
+            model_logits_fn(other),
+            windows,
+            reference_fn=reference_fn,
+            batch_size=config.batch_size,
+            show_progress=config.show_progress,
+        )
+        result.comparison = compare_metrics(config.compare, metrics, other_metrics)
     result.seconds = time.perf_counter() - start
     return result
 

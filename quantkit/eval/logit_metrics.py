@@ -34,6 +34,18 @@ def _nll_of_logprobs(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Ten
 
 
 @dataclass(slots=True)
+class WindowSums:
+    """One window's sums over its scored tokens: the model's NLL and, against a reference, the reference's NLL,
+    the KL divergence and the top-1 matches."""
+
+    tokens: int
+    nll: float = 0.0
+    reference_nll: float = 0.0
+    kl: float = 0.0
+    top1: int = 0
+
+
+@dataclass(slots=True)
 class RunningMetrics:
     """Accumulates per-token statistics over evaluation windows: sums and counts, plus one float32 KL value per
     scored token (for the 99th percentile), never logits."""
@@ -44,6 +56,9 @@ class RunningMetrics:
     reference_tokens: int = 0
     kl_values: list[torch.Tensor] = field(default_factory=list)
     top1_matches: int = 0
+    # per window (add_window only), for standard errors over windows and paired comparisons: tokens within a
+    # window are correlated, windows far less, so a window is the unit of the noise estimate
+    windows: list[WindowSums] = field(default_factory=list)
 
     def add_nll(self, nll: torch.Tensor) -> None:
         self.nll_sum += float(nll.sum())
@@ -63,21 +78,29 @@ class RunningMetrics:
         and the KL, so the temporaries stay a few chunk-sized tensors. Log-softmax is per position, so the
         figures equal those of token_nll/token_kl over the whole window (up to float64 summation order).
         """
+        sums = WindowSums(tokens=int(targets.shape[0]))
         for start in range(0, targets.shape[0], CHUNK_POSITIONS):
             end = start + CHUNK_POSITIONS
             target = targets[start:end]
             logprobs = torch.log_softmax(logits[start:end].float(), dim=-1)
             nll = _nll_of_logprobs(logprobs, target)
+            sums.nll += float(nll.sum())
             self.nll_sum += float(nll.sum())
             self.tokens += nll.numel()
             if reference_logits is None:
                 continue
             reference = torch.log_softmax(reference_logits[start:end].float(), dim=-1)
-            self.reference_nll_sum += float(_nll_of_logprobs(reference, target).sum())
+            reference_nll = float(_nll_of_logprobs(reference, target).sum())
+            sums.reference_nll += reference_nll
+            self.reference_nll_sum += reference_nll
             self.reference_tokens += nll.numel()
-            self.kl_values.append(_kl_of_logprobs(reference, logprobs).float())
-            agree = reference_logits[start:end].argmax(-1) == logits[start:end].argmax(-1)
-            self.top1_matches += int(agree.sum())
+            kl = _kl_of_logprobs(reference, logprobs)
+            sums.kl += float(kl.sum())
+            self.kl_values.append(kl.float())
+            agree = int((reference_logits[start:end].argmax(-1) == logits[start:end].argmax(-1)).sum())
+            sums.top1 += agree
+            self.top1_matches += agree
+        self.windows.append(sums)
 
     @property
     def perplexity(self) -> float:

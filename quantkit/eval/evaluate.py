@@ -185,20 +185,15 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
     prefix = bos_prefix(tokenizer)
     stride = config.stride or config.seq_len - len(prefix)
     windows = make_windows(stream, config.seq_len, stride, prefix, config.max_windows)
-    if config.reference is not None:
-        arch_for_dir(resolve_model(config.reference))
-        if tokenizer_fingerprint(load_tokenizer(config.reference)) != tokenizer_fingerprint(tokenizer):
-            raise QuantkitError(
-                f"reference '{config.reference}' uses a different tokenizer from '{name}'; "
-                "KL divergence needs the same vocabulary"
-            )
-    if config.compare is not None:
-        arch_for_dir(resolve_model(config.compare))
-        if tokenizer_fingerprint(load_tokenizer(config.compare)) != tokenizer_fingerprint(tokenizer):
-            raise QuantkitError(
-                f"--compare '{config.compare}' uses a different tokenizer from '{name}'; a paired comparison scores "
-                "the same tokens with both, so compare models of one tokenizer"
-            )
+    # both scored on this model's tokens: an unsupported architecture or another vocabulary fails before any work
+    for role, other, why in (
+        ("reference", config.reference, "KL divergence needs the same vocabulary"),
+        ("--compare", config.compare, "a paired comparison scores the same tokens with both; use one tokenizer"),
+    ):
+        if other is not None:
+            arch_for_dir(resolve_model(other))
+            if tokenizer_fingerprint(load_tokenizer(other)) != tokenizer_fingerprint(tokenizer):
+                raise QuantkitError(f"{role} '{other}' uses a different tokenizer from '{name}'; {why}")
     device = resolve_device(config.device)
     loaded = load_model(name, device=device)
     reference_fn = None

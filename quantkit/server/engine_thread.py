@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ class EngineStats:
     consecutive_failed_steps: int = 0  # the same, since the last step in which a request succeeded
 
 
-class EngineThread:
+class EngineThread(ABC):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.stats = EngineStats(free_blocks=engine.block_manager.num_free_blocks)
@@ -88,13 +89,16 @@ class EngineThread:
         return fut
 
     # ----------------------------------------------------------------- hooks (event loop side)
+    @abstractmethod
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         raise NotImplementedError
 
+    @abstractmethod
     def on_step_exception(self, _: None) -> None:
         """``engine.step()`` raised: the requests in flight are already aborted in the engine."""
         raise NotImplementedError
 
+    @abstractmethod
     def on_death(self, _: None) -> None:
         raise NotImplementedError
 

@@ -9,6 +9,7 @@ estimates all use.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -96,11 +97,12 @@ def check_parts(parts: list[Part], tensors: Mapping[str, torch.Tensor], where: s
             )
 
 
-class Layout:
+class Layout(ABC):
     """One compressed-tensors format: the tensors of one quantized Linear, written and read back."""
 
     format: str  # compressed-tensors' name, written as the config group's "format"
 
+    @abstractmethod
     def weight_parts(self, scheme: QuantScheme, n: int, k: int, scale_dtype: torch.dtype) -> list[Part]:
         raise NotImplementedError
 
@@ -108,13 +110,16 @@ class Layout:
         """Every stored tensor of an [n, k] Linear (weight parts, then a quantized input's)."""
         return [*self.weight_parts(scheme, n, k, scale_dtype), *activation_parts(scheme.activations, scale_dtype)]
 
+    @abstractmethod
     def shape_of(self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme) -> tuple[int, int]:
         """(out, in) features of the stored Linear, from its tensors."""
         raise NotImplementedError
 
+    @abstractmethod
     def write_weight(self, qw: QuantizedWeight, scale_dtype: torch.dtype) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    @abstractmethod
     def read_weight(self, tensors: Mapping[str, torch.Tensor], scheme: QuantScheme, n: int, k: int) -> QuantizedWeight:
         raise NotImplementedError
 

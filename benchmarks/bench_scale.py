@@ -13,10 +13,22 @@
 3. Checks each checkpoint loads: quantkit's loader and transformers (compressed-tensors) both give finite logits
    on a short prompt, and how far apart they are.
 
-Prints a rich table; ``--json OUT`` writes every figure. Sizes in MB are 10^6 bytes.
+Mixture of experts: ``--preset qwen3-30b-a3b-e16`` builds a ``qwen3_moe`` model with Qwen3-30B-A3B's per-layer
+shapes, 16 experts per layer instead of 128 and 12 layers instead of 48 (1.76B parameters, 3510 MB in bf16, cap
+2106 MB; why 16 experts: ``tools/random_model.py``), its experts stored one tensor per projection as transformers
+writes them. Recorded with 8 x 512 calibration windows (``--num-samples 8``, for time): every expert sees every
+token (quantkit's default ``--moe-calibration all``), so a block's calibration work grows with its expert count.
+quantkit's loader (:func:`quantkit.model.resolve.load_model`, which unfuses the experts) must give finite logits;
+should transformers' compressed-tensors loader fail on per-expert quantized experts, that is recorded as "not
+loadable in transformers" (its error in the JSON), not a crash.
+
+Prints a rich table; ``--json OUT`` writes every figure; ``--record NAME`` writes the docs table
+``benchmarks/results/NAME.json`` (``python -m benchmarks.render`` puts it in docs/benchmarks.md). Sizes in MB are
+10^6 bytes. ``--layers N`` keeps the preset's width with N decoder layers (a quick look at one block's memory).
 
     python -m benchmarks.bench_scale --json /work/tmp/scale/bench_scale.json
     python -m benchmarks.bench_scale --preset tiny --workdir /tmp/scale-tiny --num-samples 4 --seq-len 64  # smoke
+    python -m benchmarks.bench_scale --preset qwen3-30b-a3b-e16 --num-samples 8 --record scale_moe
 """
 
 from __future__ import annotations
@@ -29,24 +41,30 @@ import statistics
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from tools.memory_cap import CappedRun, run_capped
-from tools.random_model import BUILD_RECORD, PRESETS, build_random_model, parameter_count
+from tools.random_model import BUILD_RECORD, PRESETS, Shape, build_random_model, parameter_count
 
 PROMPT = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
 DEFAULT_WORKDIR = Path("/work/tmp/scale")
 SMOLLM2 = "smollm2-135m"
 
 
-def model_dir(workdir: Path, preset: str, shard_mb: int) -> Path:
+def preset_shape(preset: str, layers: int | None) -> Shape:
+    return PRESETS[preset] if layers is None else replace(PRESETS[preset], layers=layers)
+
+
+def model_dir(workdir: Path, preset: str, shard_mb: int, layers: int | None = None) -> Path:
     """The random model (built on first use), with SmolLM2's tokenizer where the vocabulary holds it."""
     tokenizer = None
     if PRESETS[preset].vocab >= PRESETS[SMOLLM2].vocab:
         from quantkit.model.resolve import resolve_model
 
         tokenizer = resolve_model(SMOLLM2)
-    return build_random_model(workdir / f"model-{preset}", preset, shard_mb=shard_mb, tokenizer=tokenizer)
+    name = f"model-{preset}" if layers is None else f"model-{preset}-{layers}l"  # each depth keeps its own build
+    return build_random_model(workdir / name, preset, shard_mb=shard_mb, tokenizer=tokenizer, layers=layers)
 
 
 class BlockClock:
@@ -88,6 +106,7 @@ def quantize_under_cap(model: Path, out: Path, method: str, cap: int, args: argp
     command += ["--method", method, "--bits", "4", "--group-size", str(args.group_size), "--json", str(report)]
     command += ["--num-samples", str(args.num_samples), "--seq-len", str(args.seq_len), "--device", "cpu"]
     report.unlink(missing_ok=True)
+    load_before = os.getloadavg()  # the machine's load around the run: other jobs share its cores
     with log.open("w") as sink, BlockClock(out) as clock:
         started = time.time()
         run: CappedRun = run_capped(command, cap, on_line=lambda line: print(line, file=sink, flush=True))
@@ -109,6 +128,8 @@ def quantize_under_cap(model: Path, out: Path, method: str, cap: int, args: argp
         "cgroup_peak_mb": None if run.cgroup_peak_bytes is None else run.cgroup_peak_bytes / 1e6,
         "checkpoint_mb": result.get("checkpoint_bytes", 0) / 1e6,
         "log": str(log),
+        "load_average_before": load_before,  # 1, 5 and 15 minutes
+        "load_average_after": os.getloadavg(),
     }
     if not figures["ok"]:
         figures["log_tail"] = log.read_text().splitlines()[-15:]
@@ -116,17 +137,18 @@ def quantize_under_cap(model: Path, out: Path, method: str, cap: int, args: argp
 
 
 def check_load(checkpoint: Path) -> dict:
-    """Both loaders on a short prompt: finite logits, and the largest difference between them."""
+    """Both loaders on a short prompt: finite logits, and the largest difference between them. quantkit's is
+    :func:`~quantkit.model.resolve.load_model` (which unfuses a mixture of experts' per-expert tensors)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from quantkit.format.loader import load_quantized_model
+    from quantkit.model.resolve import load_model
 
     ids = AutoTokenizer.from_pretrained(checkpoint)(PROMPT, return_tensors="pt").input_ids
     figures: dict[str, object] = {"prompt_tokens": int(ids.shape[1])}
     logits = {}
     for name, load in (
-        ("quantkit", lambda: load_quantized_model(checkpoint)),
+        ("quantkit", lambda: load_model(checkpoint)),
         ("transformers", lambda: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)),
     ):
         try:
@@ -137,7 +159,7 @@ def check_load(checkpoint: Path) -> dict:
             del model
         except Exception as exc:  # a loader that fails is a finding to report, not a crash of the benchmark
             figures[f"{name}_finite"] = False
-            figures[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+            figures[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:2000]
     if len(logits) == 2:
         figures["max_abs_logit_diff"] = float((logits["quantkit"] - logits["transformers"]).abs().max())
     return figures
@@ -161,6 +183,8 @@ def render(summary: dict) -> None:
         blocks = run["block_seconds"][1:] or run["block_seconds"]  # the first also holds the start-up
         load = run.get("load", {})
         loads = "+".join(n[:2] for n in ("quantkit", "transformers") if load.get(f"{n}_finite")) or "no"
+        if load.get("transformers_error"):
+            loads += " (tr: error)"
         status = "ok" if run["ok"] else ("KILLED (cap)" if run["killed_over_cap"] else f"rc {run['returncode']}")
         diff = load.get("max_abs_logit_diff")
         table.add_row(
@@ -185,6 +209,10 @@ def render(summary: dict) -> None:
         "its peak (the kernel reclaims cache before it kills). loads: qu(antkit) and tr(ansformers) give finite "
         "logits; max|dlogit| between them."
     )
+    for run in summary["runs"]:
+        for name in ("quantkit", "transformers"):
+            if error := run.get("load", {}).get(f"{name}_error"):
+                console.print(f"{run['method']}: not loadable in {name}: {error[:500]}", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,18 +226,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--group-size", type=int, default=64)
     parser.add_argument("--shard-mb", type=int, default=500, help="largest shard of the random model, MB")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's)")
     parser.add_argument("--no-load-check", action="store_true")
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--record", help="record the docs table as benchmarks/results/NAME.json")
     args = parser.parse_args(argv)
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("QUANTKIT_CACHE", str(args.workdir / "cache"))  # shard hashes; the children inherit it
-    model = model_dir(args.workdir, args.preset, args.shard_mb)
-    params = parameter_count(PRESETS[args.preset])
+    model = model_dir(args.workdir, args.preset, args.shard_mb, args.layers)
+    shape = preset_shape(args.preset, args.layers)
+    params = parameter_count(shape)
     cap = int(args.cap_mb * 1e6) if args.cap_mb else int(args.cap_fraction * params * 2)
     summary: dict = {
+        "command": " ".join(["python -m benchmarks.bench_scale", *(sys.argv[1:] if argv is None else argv)]),
+        "shard_mb": args.shard_mb,
         "model": {
             "preset": args.preset,
+            "layers": shape.layers,
             "path": str(model),
             "parameters": params,
             "bf16_mb": params * 2 / 1e6,
@@ -224,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": [],
     }
     for method in args.methods:
-        out = args.workdir / f"out-{args.preset}-{method}"
+        out = args.workdir / f"{model.name.replace('model-', 'out-', 1)}-{method}"
         run = quantize_under_cap(model, out, method, cap, args)
         if run["ok"] and not args.no_load_check:
             run["load"] = check_load(out)
@@ -233,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     render(summary)
     if args.json is not None:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")
+    if args.record:
+        from benchmarks.scale_record import record
+
+        print(f"recorded {record(args.record, summary, shape, args.shard_mb)}")
     return 0 if all(r["ok"] for r in summary["runs"]) else 1
 
 

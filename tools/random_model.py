@@ -12,6 +12,18 @@ Presets (``PRESETS``): ``llama3.2-1b`` (hidden 2048, 16 layers, 32/8 heads, inte
 embeddings, rope theta 500000), ``smollm2-135m`` (576, 30 layers, 9/3 heads, 1536, vocab 49152, tied),
 ``llama2-7b`` (4096, 32 layers, 32/32 heads, 11008, vocab 32000, untied) and ``tiny`` (for checking scripts).
 
+Mixture-of-experts presets are ``qwen3_moe`` directories whose tensors are stored per expert
+(``model.layers.N.mlp.experts.E.gate_proj.weight``, as transformers' ``save_pretrained`` writes them and quantkit
+reads them), with the router ``mlp.gate`` and q/k norms. ``qwen3-30b-a3b-e16`` has Qwen3-30B-A3B's per-layer
+shapes (hidden 2048, 32/4 heads of head_dim 128, expert intermediate 768, top-8 routing with norm_topk_prob, rms
+eps 1e-6, rope theta 1e6, full vocab 151936, untied head) with 16 experts per layer instead of 128 and 12 layers
+instead of 48 (the real model's 30.53B parameters come out of these shapes at 128 x 48): 1.76B parameters, 3510 MB
+in bf16. Why 16 experts: quantkit holds one block in float32 (a 128-expert layer is 623M parameters, 2.5 GB) and
+its GPTQ solves a stage's linears of one scheme as one row-stacked matrix, all experts' gate/up together, so one
+MoE block peaked at 2.3 GB (anonymous) with 32 experts and 1.5 GB with 16: only 16 leaves a cap of 60% of a 1-2B
+model's bf16 size (2106 MB here) room to spare. Top-8 of 16 keeps the real model's routed work per token.
+``tiny-moe`` is the same layout at toy size, head_dim unequal to hidden / heads as in the real model.
+
 Tokenizer: ``--tokenizer DIR`` copies a tokenizer's files (its vocabulary must fit the model's); without it a
 word-level tokenizer of exactly the model's vocabulary size is built from the shipped Persuasion text (most words
 of the text, then placeholder tokens), so nothing outside the repository is needed.
@@ -43,23 +55,49 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A sparse MLP (Qwen3-MoE): ``count`` experts of ``intermediate`` columns, each token routed to ``top_k``."""
+
+    count: int
+    top_k: int
+    intermediate: int
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to one (Qwen3-30B-A3B does)
+
+
+@dataclass(frozen=True)
 class Shape:
     hidden: int
     layers: int
     heads: int
     kv_heads: int
-    intermediate: int
+    intermediate: int  # a dense MLP's; an MoE config records it but no tensor has it (every layer is sparse)
     vocab: int
     tied: bool
     rope_theta: float
     max_positions: int = 4096
+    head_dim: int | None = None  # None: hidden // heads (Qwen3-MoE's 128 is not 2048 // 32)
+    experts: Experts | None = None  # None: a dense Llama; else a qwen3_moe model (q/k norms, per-expert tensors)
+
+    @property
+    def model_type(self) -> str:
+        return "llama" if self.experts is None else "qwen3_moe"
+
+    @property
+    def attention_dim(self) -> int:
+        """One head's width."""
+        return self.head_dim or self.hidden // self.heads
 
 
+QWEN3_30B_A3B_EXPERTS = Experts(count=16, top_k=8, intermediate=768)  # 128 experts in the real model: see above
 PRESETS = {
     "llama3.2-1b": Shape(2048, 16, 32, 8, 8192, 128256, tied=True, rope_theta=500000.0),
     "smollm2-135m": Shape(576, 30, 9, 3, 1536, 49152, tied=True, rope_theta=100000.0),
     "llama2-7b": Shape(4096, 32, 32, 32, 11008, 32000, tied=False, rope_theta=10000.0),
     "tiny": Shape(128, 2, 4, 2, 256, 512, tied=True, rope_theta=10000.0, max_positions=1024),
+    "qwen3-30b-a3b-e16": Shape(
+        2048, 12, 32, 4, 6144, 151936, False, 1e6, max_positions=40960, head_dim=128, experts=QWEN3_30B_A3B_EXPERTS
+    ),
+    "tiny-moe": Shape(128, 2, 4, 2, 256, 512, False, 1e6, max_positions=1024, head_dim=64, experts=Experts(8, 2, 64)),
 }
 
 
@@ -78,23 +116,36 @@ class Build:
 
 
 def tensor_shapes(shape: Shape) -> list[tuple[str, tuple[int, ...]]]:
-    """Every tensor of the model in checkpoint order (HF Llama names)."""
-    h, head_dim = shape.hidden, shape.hidden // shape.heads
-    kv = shape.kv_heads * head_dim
+    """Every tensor of the model in checkpoint order (HF Llama / Qwen3-MoE names)."""
+    h, head_dim = shape.hidden, shape.attention_dim
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
     names: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (shape.vocab, h))]
     for i in range(shape.layers):
         p = f"model.layers.{i}"
         names += [
             (f"{p}.input_layernorm.weight", (h,)),
-            (f"{p}.self_attn.q_proj.weight", (h, h)),
+            (f"{p}.self_attn.q_proj.weight", (q, h)),
             (f"{p}.self_attn.k_proj.weight", (kv, h)),
             (f"{p}.self_attn.v_proj.weight", (kv, h)),
-            (f"{p}.self_attn.o_proj.weight", (h, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)),
             (f"{p}.post_attention_layernorm.weight", (h,)),
-            (f"{p}.mlp.gate_proj.weight", (shape.intermediate, h)),
-            (f"{p}.mlp.up_proj.weight", (shape.intermediate, h)),
-            (f"{p}.mlp.down_proj.weight", (h, shape.intermediate)),
         ]
+        if shape.experts is None:
+            names += [
+                (f"{p}.mlp.gate_proj.weight", (shape.intermediate, h)),
+                (f"{p}.mlp.up_proj.weight", (shape.intermediate, h)),
+                (f"{p}.mlp.down_proj.weight", (h, shape.intermediate)),
+            ]
+            continue
+        names += [(f"{p}.self_attn.q_norm.weight", (head_dim,)), (f"{p}.self_attn.k_norm.weight", (head_dim,))]
+        names.append((f"{p}.mlp.gate.weight", (shape.experts.count, h)))  # the router: a matrix, drawn like one
+        inner = shape.experts.intermediate
+        for e in range(shape.experts.count):
+            names += [
+                (f"{p}.mlp.experts.{e}.gate_proj.weight", (inner, h)),
+                (f"{p}.mlp.experts.{e}.up_proj.weight", (inner, h)),
+                (f"{p}.mlp.experts.{e}.down_proj.weight", (h, inner)),
+            ]
     names.append(("model.norm.weight", (h,)))
     if not shape.tied:
         names.append(("lm_head.weight", (shape.vocab, h)))
@@ -155,24 +206,37 @@ def _name_shards(out: Path, shards: list[list[str]], total: int) -> None:
 
 
 def write_config(out: Path, build: Build) -> None:
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, Qwen3MoeConfig
 
     s = build.shape
-    LlamaConfig(
-        hidden_size=s.hidden,
-        num_hidden_layers=s.layers,
-        num_attention_heads=s.heads,
-        num_key_value_heads=s.kv_heads,
-        intermediate_size=s.intermediate,
-        vocab_size=s.vocab,
-        tie_word_embeddings=s.tied,
-        rope_theta=s.rope_theta,
-        max_position_embeddings=s.max_positions,
-        rms_norm_eps=1e-5,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        dtype=build.dtype,
+    common = {
+        "hidden_size": s.hidden,
+        "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads,
+        "num_key_value_heads": s.kv_heads,
+        "intermediate_size": s.intermediate,
+        "vocab_size": s.vocab,
+        "tie_word_embeddings": s.tied,
+        "rope_theta": s.rope_theta,
+        "max_position_embeddings": s.max_positions,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "dtype": build.dtype,
+    }
+    if s.experts is None:
+        LlamaConfig(**common, rms_norm_eps=1e-5).save_pretrained(out)
+        return
+    Qwen3MoeConfig(
+        **common,
+        rms_norm_eps=1e-6,
+        head_dim=s.attention_dim,
+        num_experts=s.experts.count,
+        num_experts_per_tok=s.experts.top_k,
+        moe_intermediate_size=s.experts.intermediate,
+        norm_topk_prob=s.experts.norm_topk_prob,
+        decoder_sparse_step=1,  # every layer sparse (quantkit supports no mix of dense and sparse layers)
+        mlp_only_layers=[],
     ).save_pretrained(out)
 
 
@@ -257,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     out = build_random_model(options.pop("out"), preset, **options)
     shape = PRESETS[preset] if args.layers is None else replace(PRESETS[preset], layers=args.layers)
     params = parameter_count(shape)
-    print(f"{out}: {preset}, {params / 1e6:.0f}M parameters, {args.dtype}")
+    print(f"{out}: {preset} ({shape.model_type}), {params / 1e6:.0f}M parameters, {args.dtype}")
     return 0
 
 

@@ -42,17 +42,23 @@ class Kind:
 
 
 ATTENTION, MLP, EMBEDDINGS, HEAD, OTHER = "attention", "dense MLP", "embeddings", "head", "norms/other"
+ROUTED, SHARED, ROUTER = "routed experts", "shared experts", "router"
 # Matched in this order, the first match wins; a module no rule matches is OTHER. Norms come before attention
-# because Qwen3's q_norm and k_norm live under self_attn. MoE kinds (routed experts under mlp.experts.N, shared
-# experts, the router's mlp.gate) go before MLP, so that the dense rule only takes what they leave.
+# because Qwen3's q_norm and k_norm live under self_attn. MoE kinds (routed experts under <moe>.experts.N, the
+# shared expert, the router <moe>.gate and the shared expert gate, where <moe> is mlp or block_sparse_moe) go before
+# MLP, so that the dense rule only takes what they leave.
 KINDS: tuple[Kind, ...] = (
     Kind(EMBEDDINGS, re.compile(r"(^|\.)embed_tokens$"), linears=False),
     Kind(HEAD, re.compile(r"(^|\.)lm_head$"), linears=False),
     Kind(OTHER, re.compile(r"norm[^.]*$"), linears=False),
     Kind(ATTENTION, re.compile(r"\.self_attn(\.|$)"), linears=True),
+    Kind(ROUTED, re.compile(r"\.experts\.\d+\."), linears=True),
+    Kind(SHARED, re.compile(r"\.shared_expert\."), linears=True),
+    # the router and the shared expert's gate stay in float by design (quantize never plans them), like norms
+    Kind(ROUTER, re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$"), linears=False),
     Kind(MLP, re.compile(r"\.mlp\."), linears=True),
 )
-KIND_ORDER = (ATTENTION, MLP, EMBEDDINGS, HEAD, OTHER)  # how tables list them
+KIND_ORDER = (ATTENTION, MLP, ROUTED, SHARED, ROUTER, EMBEDDINGS, HEAD, OTHER)  # how tables list them
 
 
 _UNMATCHED = Kind(OTHER, re.compile(r"(?!)"), linears=False)  # a module no rule names (a rotation's, say)

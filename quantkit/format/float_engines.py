@@ -102,17 +102,17 @@ def float_kernel(scheme: QuantScheme, capability: int) -> tuple[str | None, str]
     name = family(scheme)
     if name not in _KERNELS:  # FP8 weights with 16-bit activations and tensor or block scales: as FP8 Marlin
         name = "fp8-a16"
-    kernel = _KERNELS[name][_column(capability)]
+    kernel = _KERNELS[name][capability_column(capability)]
     return kernel, "" if kernel else _REFUSALS.get(name, f"no kernel for {scheme.name}")
 
 
 def kv_cache_kernel(kv: KVCacheScheme, capability: int) -> tuple[str | None, str]:
     """(attention backend, why not) of an FP8 KV cache with the checkpoint's scales."""
-    kernel = _KV_KERNELS[kv.strategy][_column(capability)]
+    kernel = _KV_KERNELS[kv.strategy][capability_column(capability)]
     return kernel, "" if kernel else _KV_REFUSAL
 
 
-def _column(capability: int) -> int:
+def capability_column(capability: int) -> int:
     """The table column of a compute capability: the newest generation at or below it (sm89 reads as Ampere's
     column, which is conservative for FP8: vLLM runs CUTLASS FP8 from sm89)."""
     if capability < AMPERE:

@@ -4,7 +4,7 @@ Linears swapped for :class:`QuantLinear` from the ``quantization_config``, then 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -107,6 +107,11 @@ def materialize_meta_buffers(model: nn.Module) -> None:
         meta = [b for b, t in module.named_buffers(recurse=False) if t is not None and t.is_meta]
         if not meta:
             continue
+        if all(hasattr(module, f"scalar_{b}") for b in meta):
+            # a buffer its module also keeps as a Python number (Gemma's embed_scale): the same value, on CPU
+            for b in meta:
+                module._buffers[b] = torch.tensor(getattr(module, f"scalar_{b}"), dtype=module._buffers[b].dtype)
+            continue
         config = getattr(module, "config", None)
         try:
             with torch.device("cpu"):
@@ -120,11 +125,18 @@ def materialize_meta_buffers(model: nn.Module) -> None:
             module._buffers[b] = getattr(fresh, b)
 
 
-def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_weight: bool = False) -> nn.Module:
+def load_quantized_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    cache_weight: bool = False,
+    prepare: Callable[[nn.Module], object] | None = None,
+) -> nn.Module:
     """Load a quantkit / compressed-tensors ``pack-quantized`` checkpoint with QuantLinear layers (CPU).
 
     Non-quantized float tensors are cast to ``dtype``; scales stay in their stored dtype. ``cache_weight``
     keeps each dense weight after its first use (fast repeated forwards, e.g. evaluation; dense memory).
+    ``prepare``: called on the model built from config.json (on the meta device) before its Linear layers are
+    replaced, e.g. to give a mixture of experts one Linear per expert projection as the checkpoint stores them.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -140,6 +152,8 @@ def load_quantized_model(path: Path, dtype: torch.dtype = torch.float32, cache_w
         del config.quantization_config  # build a plain model; QuantLinear replaces the targeted layers
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if prepare is not None:
+        prepare(model)
     if replace_linears(model, layout, scale_dtypes(files), cache_weight) == 0:
         raise QuantkitError(f"quantization_config of {path} targets no Linear layer of {type(model).__name__}")
     if layout.kv_cache is not None and add_kv_scale_buffers(model, layout.kv_cache, scale_dtypes(files)) == 0:

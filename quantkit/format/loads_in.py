@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from quantkit.format.engines import (
     vllm_kernel,
 )
 from quantkit.format.float_engines import CAPABILITIES, CAPABILITY_NAMES, HOPPER, merged_ahead
+from quantkit.format.moe_engines import vllm_moe_kernel
 from quantkit.format.scheme import KVCacheScheme, QuantScheme
 
 
@@ -42,8 +44,21 @@ def vllm_engine(capability: int) -> str:
     return f"vLLM, {CAPABILITY_NAMES[capability]} (sm{capability}; predicted from vLLM {VLLM_VERSION} source)"
 
 
+# a routed expert's linear (model.layers.N.<moe>.experts.<e>.<proj>): vLLM loads it in its fused-MoE layer
+_EXPERT = re.compile(r"\.experts\.\d+\.(?P<proj>[^.]+)$")
+_EXPERT_DOWN = ("down_proj", "w2")  # the expert projection whose in-features are the expert width (Mixtral: w2)
+
+
 def _vllm_judge(capability: int) -> Callable[[LayerShape], Support]:
-    return lambda s: vllm_kernel(s.scheme, s.out_features, s.in_features, capability, merged_ahead(s.name))
+    def judge(s: LayerShape) -> Support:
+        expert = _EXPERT.search(s.name)
+        if expert is None:
+            return vllm_kernel(s.scheme, s.out_features, s.in_features, capability, merged_ahead(s.name))
+        down = expert["proj"] in _EXPERT_DOWN
+        hidden, width = (s.out_features, s.in_features) if down else (s.in_features, s.out_features)
+        return vllm_moe_kernel(s.scheme, capability, hidden_size=hidden, intermediate_size=width)
+
+    return judge
 
 
 # Hopper first: the GPUs most quantkit users serve on

@@ -34,6 +34,7 @@ from quantkit.device import resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES, parse_candidate
+from quantkit.mixed.expert_units import is_expert_unit_stage, merge_expert_units
 from quantkit.mixed.measurement import DEFAULT_MODE, MODES, Measurement, UnitMeasurement, save_measurement
 from quantkit.mixed.unit_error import KLReference, UnitMeter
 from quantkit.model.architectures import ArchSpec
@@ -124,9 +125,13 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         on_cpu = device.type == "cpu"  # the spill file spares CPU memory; on a GPU activations stay on it
         for visit in visits:
             staged = StagedBlock(visit.module, arch, runner, hidden, spill=spill if on_cpu else None)
+            experts = []  # an MoE block's MLP stages: one unit per layer (expert_units.py)
             for stage, hessian, _ in stage_hessians(staged):
                 assert hessian is not None
-                units.append(meter.measure(visit.module, visit.prefix, visit.index, stage, hessian))
+                unit = meter.measure(visit.module, visit.prefix, visit.index, stage, hessian)
+                (experts if is_expert_unit_stage(arch, stage.name) else units).append(unit)
+            if experts:
+                units.append(merge_expert_units(visit.prefix, arch, experts))
             hidden = staged.output()
             if meter.kl is not None:
                 meter.kl.hidden = runner.run(visit.module, meter.kl.hidden)

@@ -8,7 +8,7 @@ mini-batches, so memory holds one block's weights and two activation buffers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -32,10 +32,16 @@ def set_module(root: nn.Module, path: str, value: nn.Module) -> None:
 
 @dataclass(slots=True)
 class BlockRunner:
-    """Runs decoder layers on hidden states of a fixed sequence length, in float32 mini-batches."""
+    """Runs decoder layers on hidden states of a fixed sequence length, in float32 mini-batches.
+
+    Each layer gets the attention inputs the model's own forward gives it: the rotary table of its layer type
+    (Gemma 3's sliding layers use a local base) and, for a sliding-window layer whose window is shorter than the
+    windows, a banded causal mask (without one, attention is plain causal)."""
 
     position_embeddings: tuple[torch.Tensor, torch.Tensor]
     batch_size: int = 8
+    by_layer_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    attn_path: str = "self_attn"
 
     @classmethod
     def for_model(
@@ -46,29 +52,41 @@ class BlockRunner:
         where = next(rotary.buffers(), torch.empty(0)).device
         probe = torch.zeros(1, seq_len, 1, dtype=torch.float32, device=where)
         positions = torch.arange(seq_len, device=where).unsqueeze(0)
-        cos, sin = rotary(probe, positions)
-        return cls((cos.float().to(device), sin.float().to(device)), batch_size)
 
-    def _call_kwargs(self, seq_len: int, for_autograd: bool = False) -> dict[str, object]:
-        cos, sin = self.position_embeddings
+        def table(*layer_type: str) -> tuple[torch.Tensor, torch.Tensor]:
+            cos, sin = rotary(probe, positions, *layer_type)
+            return cos.float().to(device), sin.float().to(device)
+
+        layer_types = tuple(getattr(rotary, "layer_types", None) or ())  # one table per type (Gemma 3)
+        by_type = {name: table(name) for name in layer_types}
+        default = by_type[layer_types[0]] if layer_types else table()
+        return cls(default, batch_size, by_type, arch.attn_path)
+
+    def attention_inputs(self, block: nn.Module, seq_len: int) -> dict[str, object]:
+        """``position_embeddings`` and ``attention_mask`` for ``block``'s attention on windows of ``seq_len``."""
+        attention = get_module(block, self.attn_path)
+        cos, sin = self.by_layer_type.get(getattr(attention, "layer_type", None) or "", self.position_embeddings)
+        window = getattr(attention, "sliding_window", None)
+        mask = None if not window or window >= seq_len else _banded_causal_mask(seq_len, int(window), cos.device)
+        return {"attention_mask": mask, "position_embeddings": (cos[:, :seq_len], sin[:, :seq_len])}
+
+    def _call_kwargs(self, block: nn.Module, seq_len: int, for_autograd: bool = False) -> dict[str, object]:
+        inputs = self.attention_inputs(block, seq_len)
+        cos, sin = inputs["position_embeddings"]  # type: ignore[misc]
         if for_autograd and cos.is_inference():  # made under inference_mode: backward could not save them
-            cos, sin = cos.clone(), sin.clone()
-        return {
-            "attention_mask": None,
-            "position_embeddings": (cos[:, :seq_len], sin[:, :seq_len]),
-            "use_cache": False,
-        }
+            inputs["position_embeddings"] = (cos.clone(), sin.clone())
+        return {**inputs, "use_cache": False}
 
     def __call__(self, block: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """One block on a [B, T, H] batch, computed in float32 (causal attention, no cache)."""
-        out = block(hidden.float(), **self._call_kwargs(hidden.shape[1]))
+        out = block(hidden.float(), **self._call_kwargs(block, hidden.shape[1]))
         return out[0] if isinstance(out, tuple) else out
 
     def functional(self, block: nn.Module, params: dict[str, torch.Tensor], hidden: torch.Tensor) -> torch.Tensor:
         """Like :meth:`__call__`, with ``params`` (by parameter name relative to the block, e.g.
         ``"mlp.up_proj.weight"``) standing in for the block's own tensors during the call
         (:func:`torch.func.functional_call`; tensors not named keep the block's), so gradients reach them."""
-        kwargs = self._call_kwargs(hidden.shape[1], for_autograd=True)
+        kwargs = self._call_kwargs(block, hidden.shape[1], for_autograd=True)
         out = torch.func.functional_call(block, params, (hidden.float(),), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -80,6 +98,15 @@ class BlockRunner:
                 stop = start + self.batch_size
                 out[start:stop] = self(block, hidden[start:stop]).to(out.dtype)
         return out
+
+
+def _banded_causal_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
+    """Additive [1, 1, T, T] mask: query i sees keys i - window < j <= i (transformers' sliding-window rule)."""
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    allowed = (j <= i) & (i - j < window)
+    mask = torch.zeros(seq_len, seq_len, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
 
 
 def embed(model: nn.Module, arch: ArchSpec, input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

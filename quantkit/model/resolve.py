@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from quantkit.errors import QuantkitError
-from quantkit.model.architectures import ArchSpec, arch_for_model_type
+from quantkit.model.architectures import ArchSpec, arch_for_config, arch_for_model_type
 from quantkit.model.gguf_import import ALIASES, ensure_alias
 
 if TYPE_CHECKING:
@@ -74,7 +74,15 @@ def read_config(path: Path) -> dict:
 
 
 def arch_for_dir(path: Path) -> ArchSpec:
-    return arch_for_model_type(read_config(path).get("model_type", "<missing model_type>"))
+    """The architecture of the model at ``path``, expanded for its config (an MoE family's experts)."""
+    raw = read_config(path)
+    spec = arch_for_model_type(str(raw.get("model_type", "<missing model_type>")))
+    if spec.moe is None:
+        return spec
+    from transformers import AutoConfig
+
+    # config.json may leave out what equals the config class's default (the number of experts among them)
+    return arch_for_config(AutoConfig.from_pretrained(str(path)).to_dict())
 
 
 def is_quantized_dir(path: Path) -> bool:
@@ -94,13 +102,17 @@ def load_model(
     hf_logging.disable_progress_bar()
     dtype = dtype or torch.float32
     path = resolve_model(spec)
-    arch_for_dir(path)  # fail early, with the list of supported architectures
+    from quantkit.model.moe import unfuse_experts
+
+    arch = arch_for_dir(path)  # fail early, with the list of supported architectures
     if is_quantized_dir(path):
         from quantkit.format.loader import load_quantized_model
 
-        model = load_quantized_model(path, dtype=dtype, cache_weight=True)  # dequantize once, not per forward
+        # dequantize once, not per forward; experts as per-expert linears, as the checkpoint stores them
+        model = load_quantized_model(path, dtype=dtype, cache_weight=True, prepare=lambda m: unfuse_experts(m, arch))
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        unfuse_experts(model, arch)  # the same modules as a quantized checkpoint's, so both compute alike
     return model.to(device).eval() if device is not None else model.eval()
 
 

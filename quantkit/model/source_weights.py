@@ -145,9 +145,13 @@ def build_skeleton(path: Path) -> nn.Module:
     """The model built from config.json on the meta device: no memory for weights until loaded."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from quantkit.model.architectures import arch_for_config
+    from quantkit.model.moe import unfuse_experts
+
     config = AutoConfig.from_pretrained(str(path))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    unfuse_experts(model, arch_for_config(config.to_dict()))  # per-expert linears, named as the files name them
     materialize_meta_buffers(model)  # rotary inv_freq and other non-persistent buffers, on CPU
     return model.eval()
 

@@ -18,9 +18,9 @@ down_proj product per batch instead of the whole MLP (gate/up are two thirds of 
 page cache, not in the process's resident set, and is overwritten from stage to stage and block to block; the
 output is bit-identical either way.
 
-Layer shape assumed (Llama, Mistral, Qwen2, Qwen3):
+Layer shape assumed (Llama, Mistral, Qwen2, Qwen3, and the mixture-of-experts families):
 ``h2 = h + attn(norm1(h))``, ``out = h2 + mlp(norm2(h2))``, with ``attn`` ending in o_proj and ``mlp`` in
-down_proj.
+down_proj, or a sparse MLP whose expert stages :mod:`quantkit.model.staged_moe` feeds.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec
+from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module, set_module
+from quantkit.model.staged_moe import ALL, ROUTED, ExpertInputs, expert_stage
 
 
 class Spill(Protocol):
@@ -55,6 +56,7 @@ class StagedBlock:
         runner: BlockRunner,
         hidden: torch.Tensor,
         spill: Spill | None = None,
+        moe_calibration: str = ALL,
     ) -> None:
         self.block = block
         self.arch = arch
@@ -65,14 +67,24 @@ class StagedBlock:
         self.attn = get_module(block, arch.attn_path)
         self.mlp = get_module(block, arch.mlp_path)
         self.o_proj = get_module(block, arch.stage(O_PROJ).head)
+        # Gemma's sandwich norms on the attention's and the MLP's outputs (identity for the other families)
+        after_attn, after_mlp = arch.sandwich_norms or (None, None)
+        self.attn_out_norm = get_module(block, after_attn) if after_attn else _identity
+        self.mlp_out_norm = get_module(block, after_mlp) if after_mlp else _identity
         self._context: torch.Tensor | None = None  # o_proj inputs, when there is no spill file
         self._context_ready = False  # o_proj's stage has run over every batch
         self._context_reader: Generator[torch.Tensor] | None = None  # o_proj inputs read back from the spill file
         self._residual: torch.Tensor | None = None  # h2 = h + attn(norm1(h)), in the input's buffer
         self.spill = spill  # holds the attention context, then down_proj's inputs (None: kept in memory / recomputed)
         self._spilled_batches = 0
-        self._gate_up = _silu_gate_up(self.mlp, arch)  # None: run the MLP module itself to find down's inputs
+        self._gate_up = None if arch.moe else _silu_gate_up(self.mlp, arch)  # None: run the MLP for down's inputs
         self._mlp_scratch: torch.Tensor | None = None  # [2, rows, intermediate]: gate and up products, reused
+        self._residual_ready = False  # h2 is complete (the first MLP stage has run over every batch)
+        # a sparse MLP: its expert stages' inputs and the routing counts (None for a dense block)
+        self.experts = ExpertInputs(self.mlp, moe_calibration) if arch.moe else None
+        routed = arch.moe is not None and moe_calibration == ROUTED
+        self.stages: tuple[Stage, ...] = arch.routed_stages() if routed else arch.stages
+        self.unseen_stages: set[str] = set()  # stages no calibration row reached (their solve is round-to-nearest)
 
     def batches(self) -> Iterator[slice]:
         n, size = self.hidden.shape[0], self.runner.batch_size
@@ -91,7 +103,12 @@ class StagedBlock:
             GATE_UP: self._gate_up_input,
             DOWN: self._down_input,
         }
-        producer = producers[stage]
+        expert = expert_stage(stage)
+        if expert is not None:
+            kind, key = expert
+            producer = lambda rows: self._expert_input(kind, key, rows)  # noqa: E731
+        else:
+            producer = producers[stage]
         with torch.inference_mode():
             for rows in self.batches():
                 yield producer(rows)
@@ -119,7 +136,7 @@ class StagedBlock:
         with torch.inference_mode():
             for rows in self.batches():
                 h2 = out[rows].float()
-                out[rows] = (h2 + self.mlp(self.norm2(h2))).to(out.dtype)
+                out[rows] = (h2 + self.mlp_out_norm(self.mlp(self.norm2(h2)))).to(out.dtype)
         return out
 
     @property
@@ -138,7 +155,7 @@ class StagedBlock:
         self._spilled_batches = 0
         with torch.inference_mode():
             for rows, a in zip(self.batches(), self.spill.read_back(), strict=True):
-                out[rows] = (out[rows].float() + down(a)).to(out.dtype)
+                out[rows] = (out[rows].float() + self.mlp_out_norm(down(a))).to(out.dtype)
         return out
 
     def _qkv_input(self, rows: slice) -> torch.Tensor:
@@ -164,15 +181,29 @@ class StagedBlock:
     def _gate_up_input(self, rows: slice) -> torch.Tensor:
         assert self._context_ready, "the o stage must run before the gate_up stage"
         self._residual = self.hidden
-        h2 = self.hidden[rows].float() + self.o_proj(self._context_batch(rows).float())
+        h2 = self.hidden[rows].float() + self.attn_out_norm(self.o_proj(self._context_batch(rows).float()))
         self._residual[rows] = h2.to(self._residual.dtype)
+        x = self.norm2(h2)
+        if self.experts is not None:
+            self.experts.count(x)  # once per batch: h2 is computed once per block
         if rows.stop == self.hidden.shape[0]:
+            self._residual_ready = True
             self._context = None  # o_proj's inputs are not needed once h2 is complete
             self._context_ready = False
             if self._context_reader is not None:
                 self._context_reader.close()  # rewinds the spill file for down_proj's inputs
                 self._context_reader = None
-        return self.norm2(h2)
+        return x
+
+    def _expert_input(self, kind: str, key: str, rows: slice) -> torch.Tensor:
+        """An expert stage's inputs: from the MLP's input, computing h2 first if no MLP stage has yet."""
+        assert self.experts is not None, "expert stages exist only in a mixture-of-experts block"
+        if self._residual_ready:
+            assert self._residual is not None
+            x = self.norm2(self._residual[rows].float())
+        else:
+            x = self._gate_up_input(rows)
+        return self.experts.gate_up(key, x) if kind == GATE_UP else self.experts.down(key, x)
 
     def _context_batch(self, rows: slice) -> torch.Tensor:
         """o_proj's inputs for ``rows`` (storage dtype), from memory or read back from the spill file."""
@@ -232,21 +263,26 @@ class StagedBlock:
         return recorder.seen[0]
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.runner.position_embeddings
-        t = x.shape[1]
-        out = self.attn(hidden_states=x, attention_mask=None, position_embeddings=(cos[:, :t], sin[:, :t]))
+        out = self.attn(hidden_states=x, **self.runner.attention_inputs(self.block, x.shape[1]))
         return out[0] if isinstance(out, tuple) else out
 
 
 def _silu_gate_up(mlp: nn.Module, arch: ArchSpec) -> tuple[nn.Linear, nn.Linear] | None:
     """The MLP's gate and up linears when it computes ``down(silu(gate(x)) * up(x))`` (Llama, Mistral, Qwen)."""
-    gate_path, up_path = (path.removeprefix(arch.mlp_path + ".") for path in arch.stage(GATE_UP).linears)
+    linears = arch.stage(GATE_UP).linears
+    if len(linears) != 2:  # a fused gate_up_proj (Phi-3): the MLP module computes down's inputs
+        return None
+    gate_path, up_path = (path.removeprefix(arch.mlp_path + ".") for path in linears)
     gate, up = getattr(mlp, gate_path, None), getattr(mlp, up_path, None)
     act = getattr(mlp, "act_fn", None)
     silu = isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation"
     if silu and type(gate) is nn.Linear and type(up) is nn.Linear:
         return gate, up
     return None
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> None:

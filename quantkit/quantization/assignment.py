@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +20,11 @@ from quantkit.format.engines import (
     layout_problem,
     widest_dividing_group,
 )
+from quantkit.format.moe_engines import moe_layout_problem
 from quantkit.format.quantization_config import build_quantization_config
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec
+from quantkit.model.source_weights import SourceWeights
 
 
 @dataclass(slots=True)
@@ -41,13 +43,15 @@ class SchemeAssignment:
     def quantized(self) -> list[str]:
         return [name for name, s in self.schemes.items() if s is not None]
 
-    def quantization_config(self, **extra: Any) -> dict:
-        """compressed-tensors config groups: ``Linear`` for a uniform scheme, exact names when mixed; ``extra``: the
-        rest of :func:`build_quantization_config`'s arguments (the KV cache scheme, the activation observer)."""
+    def quantization_config(self, float_modules: Sequence[str] = (), **extra: Any) -> dict:
+        """compressed-tensors config groups: ``Linear`` for a uniform scheme, exact names when mixed;
+        ``float_modules``: linears outside the assignment that stay in float (an MoE router), listed as ignored so
+        that a ``Linear`` target does not reach them; ``extra``: the rest of :func:`build_quantization_config`'s
+        arguments (the KV cache scheme, the activation observer)."""
         distinct = list(dict.fromkeys(s for s in self.schemes.values() if s is not None))
         if not distinct:
             raise QuantkitError("every linear is ignored: nothing would be quantized; loosen --ignore")
-        ignore = ["lm_head", *(name for name, s in self.schemes.items() if s is None)]
+        ignore = ["lm_head", *(name for name, s in self.schemes.items() if s is None), *float_modules]
         if len(distinct) == 1:
             return build_quantization_config([(distinct[0], ["Linear"])], ignore, **extra)
         groups = [(scheme, [n for n, s in self.schemes.items() if s == scheme]) for scheme in distinct]
@@ -56,6 +60,11 @@ class SchemeAssignment:
 
 def block_linears(arch: ArchSpec, num_layers: int) -> list[str]:
     return [f"{arch.layers_path}.{i}.{linear}" for i in range(num_layers) for linear in arch.linears]
+
+
+def float_modules(arch: ArchSpec, num_layers: int) -> list[str]:
+    """The linears every run keeps in float (an MoE router and shared-expert gate), by full name."""
+    return [f"{arch.layers_path}.{i}.{linear}" for i in range(num_layers) for linear in arch.float_linears]
 
 
 def uniform_assignment(arch: ArchSpec, num_layers: int, scheme: QuantScheme, ignore: list[str]) -> SchemeAssignment:
@@ -176,3 +185,36 @@ def check_exports(
                 f"--format {fmt} cannot hold {len(refused)} layers exactly ({_by_reason(refused)}); "
                 f"change the scheme or drop --format {fmt}"
             )
+
+
+def fit_expert_layouts(
+    assignment: SchemeAssignment, arch: ArchSpec, weights: SourceWeights, num_layers: int, policy: str
+) -> SchemeAssignment:
+    """Before any work, after :func:`fit_layouts`: a layer's routed experts keep one scheme (vLLM's fused-MoE layer
+    holds gate, up and down under one method), so where the layout fallback gave down_proj (whose in-features are
+    the expert width) a smaller group than gate/up, every expert linear of the layer takes that smaller group; then
+    the scheme is checked against vLLM's fused-MoE rules at the layer's shapes (``format/moe_engines.py``), one
+    line naming the problem and the fix otherwise. ``quantkit-only`` writes it anyway (quantkit's own loader and
+    runtime read it)."""
+    if arch.moe is None or policy == QUANTKIT_ONLY:
+        return assignment
+    schemes, fallbacks, asked = dict(assignment.schemes), dict(assignment.fallbacks), dict(assignment.asked)
+    for i in range(num_layers):
+        prefix = f"{arch.layers_path}.{i}."
+        names = [prefix + name for name in arch.routed_expert_linears()]
+        chosen = [schemes[name] for name in names if schemes.get(name) is not None]
+        if not chosen:
+            continue
+        narrowest = min(chosen, key=lambda scheme: scheme.group_size if (scheme.group_size or 0) > 0 else 1 << 30)
+        for name in names:
+            if schemes[name] is not None and schemes[name] != narrowest:
+                original = asked.get(name, schemes[name])
+                asked[name] = original
+                fallbacks[name] = f"{group_label(original)} -> {group_label(narrowest)}"
+                schemes[name] = narrowest
+        gate = prefix + arch.routed_expert_linears(0)[0]  # every expert of a layer has the same shapes
+        intermediate, hidden = weights.shape(f"{gate}.weight")
+        problem = moe_layout_problem(narrowest, hidden_size=int(hidden), intermediate_size=int(intermediate))
+        if problem is not None:
+            raise QuantkitError(f"{prefix}{arch.mlp_path} experts: {problem} (or --layout-policy quantkit-only)")
+    return SchemeAssignment(schemes, fallbacks, asked)

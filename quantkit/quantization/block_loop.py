@@ -73,16 +73,26 @@ def stage_hessians(
     Hessian (e.g. solve and write back its weights) before asking for the next stage: the next one's inputs are
     computed from the block as it is then.
     """
-    for stage in staged.arch.stages:
+    for stage in staged.stages:
         k = get_module(staged.block, stage.head).in_features
         stat = HessianStat.zeros(k, device=staged.hidden.device) if with_hessian else None
         _accumulate(staged, stage, k, stat, companions)
         stage_data = [companion.close_stage() for companion in companions]
-        hessian = None if stat is None else stat.take_hessian()
+        hessian = None if stat is None else _hessian_or_unseen(staged, stage, stat, k)
         del stat
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         yield stage, hessian, stage_data
         del hessian, stage_data  # not held while the next stage's inputs are computed
+
+
+def _hessian_or_unseen(staged: StagedBlock, stage: Stage, stat: HessianStat, k: int) -> torch.Tensor:
+    """The stage's Hessian; for inputs no calibration row reached (an expert the router never picked, under routed
+    calibration) the identity, with which GPTQ's error feedback vanishes and its solve is round-to-nearest; the
+    stage is added to ``staged.unseen_stages`` so that the solve loop records it as a fallback."""
+    if stat.count == 0:
+        staged.unseen_stages.add(stage.name)
+        return torch.eye(k, device=stat.gram.device)
+    return stat.take_hessian()
 
 
 def _accumulate(

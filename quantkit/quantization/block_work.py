@@ -28,6 +28,7 @@ class BlockRun:
     input_observer: str = "minmax"  # how static input scales are calibrated (quantization/input_ranges.py)
     sample_every: int = 0  # the MSE observer's token-row stride (0: no sample)
     kv_cache: KVCacheScheme | None = None  # calibrate k_scale / v_scale for an FP8 KV cache
+    moe_calibration: str = "all"  # mixture of experts: every token through every expert, or the routed ones
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
 from quantkit.model.source_weights import config_json
+from quantkit.quantization.assignment import float_modules
 from quantkit.quantization.coverage_intent import linear_intents
 from quantkit.quantization.input_ranges import OBSERVER_NAMES
 from quantkit.quantization.job import QuantizeJob
@@ -88,7 +89,9 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
             model_config,
             side_files(job.source),
             job.assignment.quantization_config(
-                kv_cache=job.config.kv_cache, activation_observer=OBSERVER_NAMES[job.config.activation_observer]
+                float_modules(job.arch, job.num_layers),
+                kv_cache=job.config.kv_cache,
+                activation_observer=OBSERVER_NAMES[job.config.activation_observer],
             ),
             describe=lambda staged: describe_checkpoint(job, work, staged),
         )
@@ -122,6 +125,8 @@ def _run_log(job: QuantizeJob, work: WorkDir) -> dict:
         log["device"] = str(job.device)
     if job.assignment.fallbacks:
         log["layout_fallbacks"] = job.assignment.fallbacks  # --layout-policy fallback: linear -> "g128 -> g64"
+    if job.arch.moe is not None and calibration is not None:  # the expert records' routed_tokens say how it went
+        log["moe_calibration"] = job.config.moe_calibration
     return log
 
 

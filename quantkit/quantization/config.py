@@ -19,6 +19,7 @@ from quantkit.device import DEFAULT_DEVICE, DEVICE_HELP, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import EXPORT_SUPPORT, FALLBACK, LAYOUT_POLICIES, LAYOUT_POLICY_HELP
 from quantkit.format.scheme import KVCacheScheme, QuantScheme
+from quantkit.model.staged_moe import MOE_CALIBRATION_MODES
 from quantkit.quantization.input_ranges import OBSERVERS
 from quantkit.quantization.methods.composition import (
     DEFAULT_METHOD,
@@ -63,6 +64,12 @@ class QuantizeConfig:
         "minmax",
         "How static input scales (FP8, NVFP4's global input scale) are calibrated: minmax (the largest input "
         "magnitude) or mse (the clipped range with the lowest quantization error).",
+    )
+    moe_calibration: str = option(
+        "all",
+        "Mixture-of-experts models: all (every calibration token runs through every expert for its statistics, "
+        "only the routed outputs go forward) or routed (each expert sees only the tokens routed to it; an expert "
+        "none reaches is solved by round-to-nearest).",
     )
     resume: bool = option(False, "Continue an interrupted run after its last finished block.")
     force: bool = option(False, "Replace an existing output directory (once the new one is done).")
@@ -157,6 +164,10 @@ class QuantizeConfig:
         if self.activation_observer not in OBSERVERS:
             raise QuantkitError(
                 f"unknown activation observer '{self.activation_observer}'; use one of {', '.join(OBSERVERS)}"
+            )
+        if self.moe_calibration not in MOE_CALIBRATION_MODES:
+            raise QuantkitError(
+                f"unknown --moe-calibration '{self.moe_calibration}'; use one of {', '.join(MOE_CALIBRATION_MODES)}"
             )
         check_calibration(self)  # calibration=None: nothing the job calibrates (static scales, a KV cache)
         if self.calibration_file is None and self.calibration is not None:

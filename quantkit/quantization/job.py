@@ -15,7 +15,13 @@ import torch
 from quantkit.data.calibration import CalibrationSet
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.source_weights import SourceWeights, config_json
-from quantkit.quantization.assignment import SchemeAssignment, check_exports, fit_layouts, uniform_assignment
+from quantkit.quantization.assignment import (
+    SchemeAssignment,
+    check_exports,
+    fit_expert_layouts,
+    fit_layouts,
+    uniform_assignment,
+)
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import JobSteps
 from quantkit.quantization.scheme_checks import check_float_layouts, check_kv_cache
@@ -64,6 +70,7 @@ def scheme_assignment(config: QuantizeConfig, arch: ArchSpec, weights: SourceWei
     check_float_layouts(assignment.schemes, in_features)
     check_kv_cache(config, str(config_json(weights.path).get("model_type", "")))
     assignment = fit_layouts(assignment, in_features, config.layout_policy)
+    assignment = fit_expert_layouts(assignment, arch, weights, num_layers_of(weights.path), config.layout_policy)
     check_exports(assignment, in_features, config.export_formats, weights.storage_dtype())
     return assignment
 
@@ -95,4 +102,6 @@ def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> s
         "activation_observer": config.activation_observer,
         "kv_cache": config.kv_cache_scheme,
     }
+    if config.moe_calibration != "all":  # the default leaves every fingerprint as it was before the option
+        spec["moe_calibration"] = config.moe_calibration
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

@@ -194,6 +194,7 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
     skeleton = build_skeleton(job.source)
     run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage, kv_cache=job.config.kv_cache)
     run.input_observer = job.config.activation_observer
+    run.moe_calibration = job.config.moe_calibration
     device = job.device
     hidden: torch.Tensor | None = None
     reference: torch.Tensor | None = None

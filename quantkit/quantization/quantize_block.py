@@ -20,6 +20,7 @@ from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_work import BlockRun, QuantizedBlock
 from quantkit.quantization.input_ranges import InputRangeObserver
 from quantkit.quantization.methods.hooks import BlockSchemes, BlockWork, SolveJob
+from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Role
 
 
@@ -54,7 +55,9 @@ def quantize_block(
     for step in transforms:
         work.records += step.hooks.transform(step.config, work)
     companions = [step.hooks.companion(step.config, work) for step in targets]
-    staged = StagedBlock(block, run.arch, run.runner, hidden, spill=run.memory.spill)
+    staged = StagedBlock(
+        block, run.arch, run.runner, hidden, spill=run.memory.spill, moe_calibration=run.moe_calibration
+    )
     observer = InputRangeObserver(run.sample_every) if _static_inputs(schemes) else None
     attention = get_module(block, run.arch.attn_path)
     with attention_implementation(attention, OBSERVE) if run.kv_cache else nullcontext():
@@ -63,6 +66,8 @@ def quantize_block(
     if run.kv_cache is not None:
         scales = kv_scales(take_kv_absmax(attention), run.kv_cache.strategy == "attn_head", run.storage)
         extra = {f"{run.arch.attn_path}.{name}": scale for name, scale in scales.items()}
+    if staged.experts is not None:
+        _record_routing(work.records, prefix, staged)
     if companion_output:
         work.reference_output = companions[0].float_output()
     del companions
@@ -90,7 +95,7 @@ def _solve_stages(
     for stage, hessian, stage_data in stage_hessians(staged, with_hessian=with_hessian, companions=watching):
         input_range = stage_data.pop() if observer is not None else None
         run.memory.before_stage(stage, staged, work.weights, keep_dense)
-        for names, scheme in _same_scheme_runs(stage.linears, work.schemes):
+        for names, scheme in _solve_runs(stage.linears, work.schemes, work.block, run.arch.moe is not None):
             weights = [get_module(work.block, name).weight.data for name in names]
             job = SolveJob(work.prefix, names, weights, hessian, scheme, run.storage, run.memory.parking)
             if hessian is not None:
@@ -99,13 +104,27 @@ def _solve_stages(
             del weights
             solved = solver.hooks.solve(solver.config, job)
             del job
+            unseen = stage.name in staged.unseen_stages  # no calibration row: the solve was round-to-nearest
             for name, (weight, record) in zip(names, solved, strict=True):
+                record.fell_back_to_rtn = record.fell_back_to_rtn or unseen
                 if input_range is not None and scheme.activations is not None and scheme.activations.static_scale:
                     weight.input_scale = input_range.scale(scheme.activations, run.storage, run.input_observer)
                 work.write_back(name, weight)
                 work.weights[name] = weight
                 work.records.append(record)
         del hessian, stage_data
+
+
+def _record_routing(records: list[Any], prefix: str, staged: StagedBlock) -> None:
+    """Each routed expert's linears record how many calibration tokens the router sent to that expert."""
+    assert staged.experts is not None
+    arch = staged.arch
+    owner = {f"{prefix}.{name}": e for e in range(arch.num_experts) for name in arch.routed_expert_linears(e)}
+    counts = staged.experts.counts.tolist()
+    for record in records:
+        expert = owner.get(record.name) if isinstance(record, LayerRecord) else None
+        if expert is not None:
+            record.routed_tokens = int(counts[expert])
 
 
 def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, run: BlockRun) -> QuantizedBlock:
@@ -120,6 +139,36 @@ def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, ru
             ((weight, record),) = solver.hooks.solve(solver.config, job)
             out.weights[name] = weight
             out.records.append(record)
+    return out
+
+
+# Rows of one stacked GPTQ solve in a mixture-of-experts gate/up stage (every expert's gate and up share the
+# Hessian): the stacked copy grows with the number of experts (Qwen3-30B-A3B: 128 x 1536 rows, 1.6 GB in float32),
+# so the experts are solved a few at a time against the same Hessian; rows are independent given it, so the codes
+# are those of one solve.
+MAX_STACKED_EXPERT_ROWS = 8192
+
+
+def _solve_runs(
+    linears: tuple[str, ...], schemes: BlockSchemes, block: nn.Module, moe: bool
+) -> list[tuple[list[str], QuantScheme]]:
+    """:func:`_same_scheme_runs`, with a run longer than ``MAX_STACKED_EXPERT_ROWS`` rows cut at linear boundaries
+    in an MoE block (a dense block's runs stay whole)."""
+    runs = _same_scheme_runs(linears, schemes)
+    if not moe:
+        return runs
+    out = []
+    for names, scheme in runs:
+        chunk: list[str] = []
+        rows = 0
+        for name in names:
+            n = get_module(block, name).weight.shape[0]
+            if chunk and rows + n > MAX_STACKED_EXPERT_ROWS:
+                out.append((chunk, scheme))
+                chunk, rows = [], 0
+            chunk.append(name)
+            rows += n
+        out.append((chunk, scheme))
     return out
 
 

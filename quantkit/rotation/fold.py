@@ -47,12 +47,15 @@ def rotate_head(head_weight: torch.Tensor, final_norm_weight: torch.Tensor, resi
 
 
 def _norm_readers(arch: ArchSpec) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(block norm, the linears that read its output): the qkv stage after norms[0], gate_up after norms[1]."""
-    return (arch.norms[0], arch.stage(QKV).linears), (arch.norms[1], arch.stage(GATE_UP).linears)
+    """(block norm, the linears that read its output): the qkv stage after norms[0], gate_up after norms[1] (in a
+    mixture of experts, with the router and the shared expert's gate, which stay float: folding is exact there)."""
+    return (arch.norms[0], arch.stage(QKV).linears), (arch.norms[1], arch.stage(GATE_UP).linears + arch.float_linears)
 
 
 def _residual_writers(arch: ArchSpec) -> tuple[str, ...]:
-    return arch.stage(O_PROJ).linears + arch.stage(DOWN).linears
+    """o_proj and every down_proj (a mixture of experts has one per expert: stages ``down.<e>``)."""
+    downs = tuple(name for stage in arch.stages if stage.name.partition(".")[0] == DOWN for name in stage.linears)
+    return arch.stage(O_PROJ).linears + downs
 
 
 def _float_linear(block: nn.Module, path: str, hidden: int, dim: int) -> nn.Module:
@@ -101,20 +104,34 @@ def _rotate_heads(block: nn.Module, arch: ArchSpec, head: torch.Tensor) -> None:
     attn_head_dim = getattr(get_module(block, arch.attn_path), "head_dim", d)
     if attn_head_dim != d:
         raise QuantkitError(f"the head rotation has size {d} but the attention's head_dim is {attn_head_dim}")
-    v_path = next((p for p in arch.stage(QKV).linears if p.rpartition(".")[2] == _V_PROJ), None)
-    if v_path is None:
-        raise QuantkitError(f"the {arch.family} qkv stage has no {_V_PROJ}; disable rotate_heads for it")
-    v, o = get_module(block, v_path), get_module(block, arch.stage(O_PROJ).head)
-    kv_out, hidden = v.weight.shape
+    v_weight, v_bias = _value_rows(block, arch, d)
+    o = get_module(block, arch.stage(O_PROJ).head)
+    kv_out, hidden = v_weight.shape
     if kv_out % d or o.weight.shape[1] % d:
         raise QuantkitError(f"v_proj/o_proj sizes {kv_out}/{o.weight.shape[1]} are not multiples of head_dim {d}")
     kv = kv_out // d
-    per_head = v.weight.reshape(kv, d, hidden).transpose(1, 2).reshape(kv * hidden, d)  # rows of W_v[h]^T
+    per_head = v_weight.reshape(kv, d, hidden).transpose(1, 2).reshape(kv * hidden, d)  # rows of W_v[h]^T
     rotated = rotate_rows(per_head, head).view(kv, hidden, d).transpose(1, 2).reshape(kv_out, hidden)
-    v.weight.copy_(rotated)
-    if v.bias is not None:
-        v.bias.copy_(rotate_rows(v.bias.view(kv, d), head).view(-1))
+    v_weight.copy_(rotated)
+    if v_bias is not None:
+        v_bias.copy_(rotate_rows(v_bias.view(kv, d), head).view(-1))
     o.weight.copy_(rotate_rows(o.weight.reshape(-1, d), head).reshape(o.weight.shape))
+
+
+def _value_rows(block: nn.Module, arch: ArchSpec, d: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The value projection's weight rows and bias (views, written in place): v_proj's own, or the last
+    ``kv_heads * head_dim`` rows of a fused qkv_proj (Phi-3 stacks q, k, v in that order)."""
+    v_path = next((p for p in arch.stage(QKV).linears if p.rpartition(".")[2] == _V_PROJ), None)
+    if v_path is not None:
+        v = get_module(block, v_path)
+        return v.weight, v.bias
+    qkv = arch.stage(QKV).linears
+    kv_heads = getattr(get_module(block, arch.attn_path), "num_key_value_heads", None)
+    if len(qkv) != 1 or kv_heads is None:
+        raise QuantkitError(f"the {arch.family} qkv stage has no {_V_PROJ}; disable rotate_heads for it")
+    fused = get_module(block, qkv[0])
+    rows = slice(fused.weight.shape[0] - kv_heads * d, None)
+    return fused.weight[rows], None if fused.bias is None else fused.bias[rows]
 
 
 def fold_block(block: nn.Module, arch: ArchSpec, residual: torch.Tensor, head: torch.Tensor | None = None) -> None:

@@ -11,6 +11,12 @@ The torch backend runs ``scaled_dot_product_attention`` (decode packs the query 
 so grouped-query attention needs no K/V repeat). The Triton backend uses the ``kv_cache_write`` and
 ``paged_attention`` kernels and the torch prefill.
 
+Per layer (:class:`~quantkit.runtime.layers.Attention`): a sliding ``window`` lets the query at position i see the
+keys i - window < j <= i only (transformers' rule; Mistral, Phi-3, Gemma 3's sliding layers), on every path: the
+cache keeps every block, the keys before the window are masked (the Triton decode kernel starts at the window);
+``softcap`` (Gemma 2) caps the scaled scores at ``softcap * tanh(scores / softcap)`` before the mask, computed as
+transformers' eager attention does (scores, cap, mask, fp32 softmax cast to the query dtype, times V), in torch.
+
 8-bit KV cache (:mod:`quantkit.runtime.kv_cache`): a layer's :class:`LayerKV` then carries ``k_scale``/``v_scale``
 (float16 ``[num_blocks, block_size, Hkv]``) and the caches hold int8 / float8_e4m3fn values; every write quantizes
 (per token and kv head) and every read dequantizes; keys are stored in a rotated basis (``LayerKV.rotation``), so
@@ -23,7 +29,7 @@ chunks, from the prefix cache or by decoding. Without scales every path is exact
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +51,7 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence (all 1 when decoding)
     context_lens_list: list[int]  # context_lens as Python ints (prefill loops over sequences)
     decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_blocks * block_size]: key t < context_len
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # decode_mask within each window, lazily
 
 
 class AttentionBackend(ABC):
@@ -62,19 +69,36 @@ class AttentionBackend(ABC):
         kv.v.view(-1, heads, dim).index_copy_(0, meta.slot_mapping, v.to(kv.v.dtype))
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         """Decode attention (one query token per sequence) over the paged cache (dequantized with scales)."""
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``."""
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``; ``window``/``softcap``: the module docstring."""
         if kv.rotation is not None:  # keys are stored rotated (kv_cache's docstring), so attend with rotated queries
             q, k = rotate(q, kv.rotation), rotate(k, kv.rotation)
         self.write_kv(k, v, kv, meta)
         if meta.is_prefill:
-            return prefill_attention(q, k, v, kv, meta, scale)
-        return self.decode(q, kv, meta, scale)
+            return prefill_attention(q, k, v, kv, meta, scale, window, softcap)
+        return self.decode(q, kv, meta, scale, window, softcap)
 
 
 def _gather(
@@ -93,10 +117,17 @@ def _gather(
 
 
 def prefill_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: LayerKV,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new queries over its context. With an 8-bit cache (already written)
-    K/V are always read back from the pages and dequantized, the new rows included."""
+    """Causal attention of each sequence's new queries over its context (within ``window`` when given). With an
+    8-bit cache (already written) K/V are always read back from the pages and dequantized, the new rows included."""
     out = torch.empty_like(q)
     start = 0
     for i, (n, ctx) in enumerate(zip(meta.query_lens, meta.context_lens_list, strict=True)):
@@ -104,39 +135,96 @@ def prefill_attention(
         if kv.k_scale is not None and kv.v_scale is not None:  # 8-bit cache: what the pages hold
             table = meta.block_tables[i]
             ki, vi = _gather(kv.k, table, ctx, kv.k_scale, q.dtype), _gather(kv.v, table, ctx, kv.v_scale, q.dtype)
-            mask = None
-            if ctx != n:
-                q_pos = torch.arange(ctx - n, ctx, device=q.device)
-                mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # bottom-right causal
         elif ctx == n:  # nothing cached before this chunk: attend to the fresh rows
-            ki, vi, mask = k[start : start + n], v[start : start + n], None
+            ki, vi = k[start : start + n], v[start : start + n]
         else:  # a cached prefix or an earlier chunk: read the whole context back from the pages
             ki, vi = _gather(kv.k, meta.block_tables[i], ctx), _gather(kv.v, meta.block_tables[i], ctx)
             ki, vi = ki.to(q.dtype), vi.to(q.dtype)
-            q_pos = torch.arange(ctx - n, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]  # bottom-right causal
-        oi = F.scaled_dot_product_attention(
-            qi,
-            ki.transpose(0, 1),
-            vi.transpose(0, 1),
-            attn_mask=mask,
-            is_causal=mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )
+        mask = prefill_mask(n, ctx, window, q.device)
+        oi = attend(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap)
         out[start : start + n] = oi.transpose(0, 1)
         start += n
     return out
 
 
+def prefill_mask(n: int, ctx: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """bool ``[n, ctx]``: the last ``n`` of ``ctx`` positions as queries, each seeing the keys up to itself (the
+    bottom-right causal mask) and, with a ``window``, only the last ``window`` of them; None where that is plain
+    causal attention over ``n == ctx`` positions."""
+    if ctx == n and (window is None or window >= n):
+        return None
+    q_pos = torch.arange(ctx - n, ctx, device=device)[:, None]
+    keys = torch.arange(ctx, device=device)[None, :]
+    mask = keys <= q_pos
+    return mask if window is None else mask & (keys > q_pos - window)
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    softcap: float | None = None,
+    enable_gqa: bool = True,
+) -> torch.Tensor:
+    """``softmax(q k^T * scale, mask) v`` over ``[..., H, L, D]`` tensors (with ``enable_gqa`` k/v may have fewer
+    heads); no mask means causal. Without ``softcap`` it is ``scaled_dot_product_attention``; with it, transformers'
+    eager attention with the scores capped."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
+        )
+    if k.shape[-3] != q.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        return torch_decode(q, kv, meta, scale)
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        return torch_decode(q, kv, meta, scale, window, softcap)
 
 
-def torch_decode(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def decode_key_mask(meta: AttentionMetadata, length: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool ``[B, 1, 1, length]``: the keys each sequence's query sees (those before its context length and, with
+    a ``window``, within its last ``window`` keys); built once per step and window, shared by the layers."""
+    mask = meta.decode_mask
+    if mask is None:
+        mask = torch.arange(length, device=device)[None, :] < meta.context_lens[:, None]
+        mask = mask[:, None, None, :]
+    if window is None:
+        return mask
+    if window not in meta.window_masks:
+        keys = torch.arange(mask.shape[-1], device=device)[None, :]
+        inside = keys >= (meta.context_lens[:, None] - window)
+        meta.window_masks[window] = mask & inside[:, None, None, :]
+    return meta.window_masks[window]
+
+
+def torch_decode(
+    q: torch.Tensor,
+    kv: LayerKV,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
     """Decode attention with torch ops (any device); with scales the gathered pages are dequantized."""
     bsz, hq, dim = q.shape
     hkv = kv.k.shape[2]
@@ -147,12 +235,9 @@ def torch_decode(q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: f
     else:
         k = kv.k.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)  # [B, Hkv, L, D]
         v = kv.v.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
-    mask = meta.decode_mask
-    if mask is None:
-        mask = torch.arange(k.shape[2], device=q.device)[None, :] < meta.context_lens[:, None]
-        mask = mask[:, None, None, :]
+    mask = decode_key_mask(meta, k.shape[2], window, q.device)
     qg = q.reshape(bsz, hkv, hq // hkv, dim)  # the query heads of a kv group act as rows
-    out = F.scaled_dot_product_attention(qg, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale)
+    out = attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, enable_gqa=False)
     return out.reshape(bsz, hq, dim)
 
 
@@ -168,11 +253,20 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             kv_cache_write(k, v, kv.k, kv.v, meta.slot_mapping, k_scale=kv.k_scale, v_scale=kv.v_scale)
 
-    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(
+        self,
+        q: torch.Tensor,
+        kv: LayerKV,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
         from quantkit.runtime.kernels.paged_attention import paged_attention
 
-        if kv.quantized and not _triton_handles(kv.k):
-            return torch_decode(q, kv, meta, scale)
+        # the kernel has no soft-capping (Gemma 2's attention): those layers decode in torch
+        if softcap is not None or (kv.quantized and not _triton_handles(kv.k)):
+            return torch_decode(q, kv, meta, scale, window, softcap)
         return paged_attention(
             q.contiguous(),
             kv.k,
@@ -182,6 +276,7 @@ class TritonAttentionBackend(AttentionBackend):
             scale,
             k_scale=kv.k_scale,
             v_scale=kv.v_scale,
+            window=window,
         )
 
 

@@ -57,10 +57,12 @@ class Engine:
         backend = select_backend(cfg.backend, device)
         model_cfg = ModelConfig.from_hf(read_checkpoint_config(self.path))
         self.max_model_len = cfg.resolved_max_model_len(model_cfg.max_position_embeddings)
-        if model_cfg.sliding_window is not None and self.max_model_len > model_cfg.sliding_window:
+        # windows are applied per layer (Mistral, Phi-3, Mixtral, Gemma 3); Qwen's opt-in window is not
+        if model_cfg.window_unimplemented and self.max_model_len > (model_cfg.sliding_window or 0):
             raise QuantkitError(
-                f"the model uses sliding-window attention ({model_cfg.sliding_window} tokens), which the runtime "
-                f"does not implement; set max_model_len <= {model_cfg.sliding_window}"
+                f"the model uses sliding-window attention ({model_cfg.sliding_window} tokens) on the layers from "
+                f"max_window_layers on, which the runtime does not implement; set max_model_len <= "
+                f"{model_cfg.sliding_window}"
             )
         self.model = load_model(
             self.path,

@@ -5,7 +5,7 @@ Tokens are flattened across sequences: activations are ``[T, hidden]`` with one 
 attention splits them back per sequence through :class:`~quantkit.runtime.attention_backend.AttentionMetadata`.
 Modules are built on the meta device, filled by ``load_state_dict(assign=True)`` with checkpoint tensors, then
 ``prepare``-d once for the chosen backend (dequantize or keep packed; fuse q/k/v and gate/up when dense and their
-inputs are quantized alike).
+inputs are quantized alike; a checkpoint that stores them fused, as Phi-3's does, is used as it is).
 Rounding points follow Hugging Face's eager Llama so that fp32 greedy decoding matches ``generate``.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +56,30 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, residual)
 
 
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: ``x / rms(x) * (offset + weight)`` with the weight stored around zero, computed in float32
+    and cast once at the end (transformers' Gemma3RMSNorm; Llama's casts before the multiply). Runs in torch always:
+    the fused Triton kernel computes Llama's rounding."""
+
+    def __init__(self, size: int, eps: float, offset: float) -> None:
+        super().__init__(size, eps)
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        if residual is not None:
+            x = residual + x
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (self.offset + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def rms_norm(size: int, eps: float, offset: float = 0.0) -> RMSNorm:
+    """Llama's RMSNorm, or Gemma's ``(offset + weight)`` one when the family stores its weights around zero."""
+    return RMSNorm(size, eps) if offset == 0.0 else OffsetRMSNorm(size, eps, offset)
+
+
 # ----------------------------------------------------------------------------------------------- rotary
 
 
@@ -66,20 +91,35 @@ class RopeConfig:
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192  # llama3
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that is rotated (Phi-4-mini: 0.75)
 
     @classmethod
-    def from_hf(cls, cfg: Mapping[str, Any]) -> RopeConfig:
-        """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older configs)."""
+    def from_hf(cls, cfg: Mapping[str, Any], *, partial_rotary: bool = False) -> RopeConfig:
+        """Read ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling`` (older configs).
+        ``partial_rotary``: the model rotates only the first ``partial_rotary_factor`` of each head (Phi-3), as
+        transformers' Phi-3 does; elsewhere a factor below 1 is refused."""
         params = dict(cfg.get("rope_scaling") or {})
         params.update(cfg.get("rope_parameters") or {})
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-        rope_type = str(params.get("rope_type", params.get("type", "default")))
+        type_key = "rope_type" if "rope_type" in params else "type"
+        rope_type = str(params.get(type_key, "default"))
         if rope_type not in ("default", "linear", "llama3"):
-            raise QuantkitError(f"rope type {rope_type!r} is not supported by the runtime (default, linear, llama3)")
-        if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise QuantkitError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+            section = "rope_parameters" if type_key in (cfg.get("rope_parameters") or {}) else "rope_scaling"
+            raise QuantkitError(
+                f"config.json {section}.{type_key} {rope_type!r} is not supported by the runtime "
+                "(supported: default, linear, llama3)"
+            )
+        # transformers moves a top-level partial_rotary_factor (Phi-4-mini's config.json) into rope_parameters
+        partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        partial = 1.0 if partial is None else float(partial)
+        if partial != 1.0 and not (partial_rotary and 0.0 < partial < 1.0):
+            allowed = "0 < partial_rotary_factor <= 1" if partial_rotary else "1.0 only: it rotates whole heads"
+            raise QuantkitError(
+                f"config.json partial_rotary_factor {partial} is not supported by the runtime for model type "
+                f"{cfg.get('model_type')!r} ({allowed})"
+            )
         if rope_type == "default":
-            return cls(theta=theta)
+            return cls(theta=theta, partial_rotary_factor=partial)
         return cls(
             theta=theta,
             rope_type=rope_type,
@@ -89,10 +129,17 @@ class RopeConfig:
             original_max_position_embeddings=int(
                 params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
             ),
+            partial_rotary_factor=partial,
         )
 
+    def rotary_dim(self, head_dim: int) -> int:
+        """How many of a head's leading dimensions are rotated (all of them unless partial)."""
+        return int(head_dim * self.partial_rotary_factor)
+
     def inv_freq(self, head_dim: int) -> torch.Tensor:
-        inv = 1.0 / (self.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        """The rotated dimensions' inverse frequencies, ``[rotary_dim(head_dim) // 2]``."""
+        dim = self.rotary_dim(head_dim)
+        inv = 1.0 / (self.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         if self.rope_type == "linear":
             return inv / self.factor
         if self.rope_type == "llama3":
@@ -120,20 +167,26 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, max_positions: int, device: torch.device | str) -> None:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * self.rope.inv_freq(self.head_dim)[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [P, D], as HF computes it
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim], as HF computes it
         self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[T, 1, D]`` at ``positions [T]`` (looked up once per step, shared by all layers)."""
+        """``(cos, sin)`` ``[T, 1, R]`` (R: the rotary dimensions) at ``positions [T]``, looked up once per step and
+        shared by all layers."""
         assert self.cos is not None and self.sin is not None, "call build() before running the model"
         cos = self.cos.index_select(0, positions).to(dtype).unsqueeze(1)
         return cos, self.sin.index_select(0, positions).to(dtype).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Rotate ``x [T, H, D]`` by the ``(cos, sin)`` of its positions (as HF ``apply_rotary_pos_emb``)."""
+    """Rotate ``x [T, H, D]`` by the ``(cos, sin)`` of its positions (as HF ``apply_rotary_pos_emb``); with partial
+    rotary (a table narrower than D) only the leading dimensions, the rest pass through (as HF's Phi-3)."""
     cos, sin = rope
-    return x * cos + _rotate_half(x) * sin
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -144,32 +197,55 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------- MLP
 
 
-class MLP(nn.Module):
-    """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}  # transformers' ACT2FN
 
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False) -> None:
+
+class MLP(nn.Module):
+    """Gated MLP: ``down(act(gate(x)) * up(x))``, SwiGLU (``activation`` silu) or GeGLU (Gemma's gelu_pytorch_tanh).
+    ``fused``: the checkpoint stores gate and up as one linear, ``gate_up_proj`` (Phi-3: the gate rows, then the up
+    rows), used as it is; otherwise ``gate_proj`` and ``up_proj``, fused into one matmul by ``prepare`` when they
+    can be."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, bias: bool = False, *, fused: bool = False, activation: str = "silu"
+    ) -> None:
         super().__init__()
-        self.gate_proj = Linear(hidden, intermediate, bias)
-        self.up_proj = Linear(hidden, intermediate, bias)
+        self.act = ACTIVATIONS[activation]
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias) if fused else None
+        self.gate_proj = None if fused else Linear(hidden, intermediate, bias)
+        self.up_proj = None if fused else Linear(hidden, intermediate, bias)
         self.down_proj = Linear(intermediate, hidden, bias)
         self.gate_up: FusedLinear | None = None  # gate and up as one matmul, set by prepare
 
     def prepare(self) -> None:
-        self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
+        if self.gate_proj is not None and self.up_proj is not None:
+            self.gate_up = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up is not None:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        elif self.gate_up is not None:
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
+            assert self.gate_proj is not None and self.up_proj is not None
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 # ----------------------------------------------------------------------------------------------- attention
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache (q/k norm for Qwen3, q/k/v bias for Qwen2)."""
+    """Grouped-query self-attention over the paged KV cache (q/k norm for Qwen3, q/k/v bias for Qwen2).
+
+    ``scale`` defaults to ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``); ``window``: a sliding
+    window, the query at position i sees keys i - window < j <= i; ``softcap``: scores soft-capped as
+    ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's attn_logit_softcapping); ``norm_offset``: the q/k
+    norms multiply by ``(norm_offset + weight)`` (Gemma).
+
+    ``fused_qkv``: the checkpoint stores q, k and v as one linear, ``qkv_proj`` (Phi-3: the q rows, then k, then v),
+    used as it is; otherwise ``q_proj``, ``k_proj`` and ``v_proj``, fused into one matmul by ``prepare`` when they
+    can be."""
 
     def __init__(
         self,
@@ -181,31 +257,43 @@ class Attention(nn.Module):
         qkv_bias: bool = False,
         o_bias: bool = False,
         qk_norm_eps: float | None = None,
+        fused_qkv: bool = False,
+        scale: float | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim**-0.5
-        self.q_proj = Linear(hidden, num_heads * head_dim, qkv_bias)
-        self.k_proj = Linear(hidden, num_kv_heads * head_dim, qkv_bias)
-        self.v_proj = Linear(hidden, num_kv_heads * head_dim, qkv_bias)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window, self.softcap = window, softcap
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, qkv_bias) if fused_qkv else None
+        self.q_proj = None if fused_qkv else Linear(hidden, q_size, qkv_bias)
+        self.k_proj = None if fused_qkv else Linear(hidden, kv_size, qkv_bias)
+        self.v_proj = None if fused_qkv else Linear(hidden, kv_size, qkv_bias)
         self.o_proj = Linear(num_heads * head_dim, hidden, o_bias)
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
+        self.q_norm = rms_norm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
+        self.k_norm = rms_norm(head_dim, qk_norm_eps, norm_offset) if qk_norm_eps is not None else None
         self.qkv: FusedLinear | None = None  # q, k and v as one matmul, set by prepare
         self.backend: AttentionBackend | None = None  # set by the model runner
         self.kv: LayerKV | None = None  # this layer's paged cache, set by the model runner
 
     def prepare(self) -> None:
-        self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+        if self.q_proj is not None and self.k_proj is not None and self.v_proj is not None:
+            self.qkv = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if self.qkv is not None:
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        elif self.qkv is not None:
             q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -214,5 +302,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         assert self.backend is not None and self.kv is not None
-        out = self.backend.forward(q, k, v.contiguous(), self.kv, meta, self.scale)
+        out = self.backend.forward(
+            q, k, v.contiguous(), self.kv, meta, self.scale, window=self.window, softcap=self.softcap
+        )
         return self.o_proj(out.reshape(t, q_size))

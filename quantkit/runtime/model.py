@@ -1,7 +1,12 @@
 """Llama-family decoder for the runtime, loaded straight from safetensors.
 
-Which model types it runs and how they differ (q/k/v bias, q/k norm, sliding window by default) is read from the
-architecture table, :mod:`quantkit.model.architectures`: every family there is a Llama-shaped decoder.
+Which model types it runs and how they differ (q/k/v bias, q/k norm, sliding window by default, a sparse
+mixture-of-experts MLP, q/k/v and gate/up stored as one fused linear each) is read from the architecture table,
+:mod:`quantkit.model.architectures`: every family there is a Llama-shaped decoder, whose MLP is dense or (Qwen3-MoE,
+Mixtral, Qwen2-MoE) a :class:`SparseMoE`; a family whose ``qkv`` (``gate_up``) stage is one linear (Phi-3's
+``qkv_proj``, ``gate_up_proj``) stores that projection fused, and the runtime loads it as it is. Sliding windows and
+Gemma 3's differences (layer types with their own rotary base, ``(1 + weight)`` RMSNorms, sandwich norms, a scaled
+embedding, GeGLU, soft-capping) are read by :mod:`quantkit.runtime.family_config`.
 
 The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load
 as they are: the model is built on the meta device from config.json, every Linear the quantization_config
@@ -14,7 +19,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,15 +27,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from quantkit.errors import QuantkitError, UnsupportedArchitectureError
+from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.loader import keeps_stored_dtype
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
 from quantkit.format.tensors import SCALE
-from quantkit.model.architectures import arch_for_model_type
+from quantkit.model.architectures import GATE_UP, QKV, arch_for_model_type
 from quantkit.runtime.attention_backend import AttentionMetadata
+from quantkit.runtime.family_config import FamilyFacts, LayerAttention, layer_attention, with_class_defaults
 from quantkit.runtime.kv_stored_scales import register_kv_scale_buffers
-from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding
+from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding, rms_norm
+from quantkit.runtime.moe import MoEConfig, SparseMoE, with_config_defaults
 
 
 @dataclass(slots=True, frozen=True)
@@ -52,16 +59,35 @@ class ModelConfig:
     qk_norm: bool
     rope: RopeConfig
     sliding_window: int | None = None
+    moe: MoEConfig | None = None  # a sparse MLP in every layer (None: dense)
+    fused_qkv: bool = False  # the checkpoint stores q/k/v as one linear, self_attn.qkv_proj (Phi-3)
+    fused_gate_up: bool = False  # the checkpoint stores gate/up as one linear, mlp.gate_up_proj (Phi-3)
+    attention: LayerAttention | None = None  # each layer's window and rotary parameters (None: all full, ``rope``)
+    # Gemma's norms, scales, activation and soft-capping (default: Llama's)
+    family: FamilyFacts = field(default_factory=FamilyFacts)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: it attends to every key)."""
+        return None if self.attention is None else self.attention.window_of(layer)
+
+    @property
+    def window_unimplemented(self) -> bool:
+        """config.json sets a window the runtime does not apply (Qwen's use_sliding_window)."""
+        return self.sliding_window is not None and (self.attention is None or self.attention.types is None)
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         model_type = str(cfg.get("model_type") or "<missing model_type>")
         arch = arch_for_model_type(model_type)  # raises UnsupportedArchitectureError naming the supported ones
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise UnsupportedArchitectureError(f"hidden_act {cfg.get('hidden_act')!r} is not supported (silu only)")
+        moe = None
+        if arch.moe is not None:
+            cfg = with_config_defaults(model_type, cfg, arch.moe)
+            moe = MoEConfig.from_hf(arch.for_config(cfg), cfg)  # for_config refuses dense/sparse mixes
+        if arch.layer_types:
+            cfg = with_class_defaults(model_type, cfg)  # Gemma 3's config.json omits keys equal to its defaults
         heads = int(cfg["num_attention_heads"])
         attention_bias = bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", arch.sliding_window_by_default) else None
+        attention = layer_attention(arch, cfg, int(cfg["num_hidden_layers"]))
         return cls(
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
@@ -78,14 +104,26 @@ class ModelConfig:
             o_bias=attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch.qk_norm,
-            rope=RopeConfig.from_hf(cfg),
-            sliding_window=int(window) if window else None,
+            rope=attention.rope,
+            sliding_window=attention.window,
+            moe=moe,
+            # a stage of one linear: the checkpoint stores that projection fused (the table names it)
+            fused_qkv=len(arch.stage(QKV).linears) == 1,
+            fused_gate_up=moe is None and len(arch.stage(GATE_UP).linears) == 1,
+            attention=attention,
+            family=FamilyFacts.from_hf(arch, cfg),
         )
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """One block; residual adds are fused into the next RMSNorm (``norm(x, residual)``). With sandwich norms
+    (Gemma) each sub-block's output is normalised before its residual add, and the MLP reads
+    ``pre_feedforward_layernorm``."""
+
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
+        family, eps = cfg.family, cfg.rms_norm_eps
+        self.local_rope = cfg.attention is not None and cfg.attention.local(index)  # Gemma 3's sliding layers
         self.self_attn = Attention(
             cfg.hidden_size,
             cfg.num_heads,
@@ -94,10 +132,27 @@ class DecoderLayer(nn.Module):
             qkv_bias=cfg.qkv_bias,
             o_bias=cfg.o_bias,
             qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+            fused_qkv=cfg.fused_qkv,
+            scale=family.attn_scale,
+            window=cfg.window(index),
+            softcap=family.attn_softcap,
+            norm_offset=family.norm_offset,
         )
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # the MLP sits under the checkpoint's name for it ("mlp"; Mixtral's sparse one: "block_sparse_moe")
+        self.mlp_path = "mlp" if cfg.moe is None else cfg.moe.path
+        mlp: nn.Module
+        if cfg.moe is None:
+            fused, activation = cfg.fused_gate_up, family.activation
+            mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, fused=fused, activation=activation)
+        else:
+            mlp = SparseMoE(cfg.hidden_size, cfg.moe)
+        self.add_module(self.mlp_path, mlp)
+        self.input_layernorm = rms_norm(cfg.hidden_size, eps, family.norm_offset)
+        self.post_attention_layernorm = rms_norm(cfg.hidden_size, eps, family.norm_offset)
+        self.sandwich = family.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = rms_norm(cfg.hidden_size, eps, family.norm_offset)
+            self.post_feedforward_layernorm = rms_norm(cfg.hidden_size, eps, family.norm_offset)
 
     def forward(
         self,
@@ -111,24 +166,33 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(rope, x, meta)
+        if self.sandwich:
+            x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
+            return self.post_feedforward_layernorm(getattr(self, self.mlp_path)(x)), residual
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.mlp_path)(x), residual
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope)
+        local = cfg.attention.local_rope if cfg.attention is not None else None
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, local) if local is not None else None  # Gemma 3
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_scale: torch.Tensor | None = None  # set by CausalLM.prepare where the family scales embeddings
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = rms_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.family.norm_offset)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         rope = self.rotary(positions, x.dtype)
+        local = self.rotary_local(positions, x.dtype) if self.rotary_local is not None else rope
         for layer in self.layers:
-            x, residual = layer(rope, x, residual, meta)
+            x, residual = layer(local if layer.local_rope else rope, x, residual, meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -147,11 +211,17 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = torch.nn.functional.linear(hidden, self.model.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        cap = self.config.family.final_softcap
+        if cap is not None:  # in the compute dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def prepare(self, dtype: torch.dtype, use_kernels: bool, max_positions: int) -> None:
-        """After loading: cast, dequantize or keep packed, fuse dense projections, build the rotary table."""
+        """After loading: cast, dequantize or keep packed, fuse dense projections (an MoE's experts' gate/up too),
+        build the rotary table."""
         device = self.model.embed_tokens.weight.device
         for module in self.modules():
             if isinstance(module, Linear):
@@ -160,10 +230,17 @@ class CausalLM(nn.Module):
                 module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
                 module.use_kernel = use_kernels and module.weight.is_cuda
         for module in self.modules():
-            if isinstance(module, (Attention, MLP)):
+            if isinstance(module, (Attention, MLP)):  # an MoE's shared expert is an MLP
                 module.prepare()
+            elif isinstance(module, SparseMoE):
+                module.prepare(dtype)  # router in the compute dtype, each expert's gate/up fused
         self.model.embed_tokens.weight = nn.Parameter(self.model.embed_tokens.weight.to(dtype), requires_grad=False)
         self.model.rotary.build(max_positions, device)
+        if self.model.rotary_local is not None:
+            self.model.rotary_local.build(max_positions, device)
+        scale = self.config.family.embed_scale
+        if scale is not None:  # a float32 scalar cast to the weights' dtype, as transformers' scaled embedding
+            self.model.embed_scale = torch.tensor(scale, dtype=torch.float32).to(device=device, dtype=dtype)
 
 
 # ----------------------------------------------------------------------------------------------- loading

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-import struct
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.checkpoint import data_bytes
 from helpers.cli import run_cli
 from helpers.tiny import rtn_for_tests
 
@@ -44,16 +44,6 @@ LINEARS = {  # (out, in) of one block's linears, as the tiny Llama has them
     "mlp.down_proj": (64, 160),
 }
 PER_BLOCK = sum(n * k for n, k in LINEARS.values())  # 43,008 params
-
-
-def data_bytes(path: Path) -> int:
-    """The safetensors data bytes of a checkpoint: each shard's size less its 8-byte length and JSON header."""
-    total = 0
-    for shard in shard_files(path):
-        with open(shard, "rb") as handle:
-            (header,) = struct.unpack("<Q", handle.read(8))
-        total += shard.stat().st_size - 8 - header
-    return total
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:

@@ -4,12 +4,14 @@ block by block (``write_checkpoint``); tests build their small models in memory.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from quantkit.format.files import shard_files
 from quantkit.format.scheme import QuantizedWeight
 from quantkit.format.tensors import linear_tensors
 from quantkit.format.writer import ShardedWriter
@@ -43,3 +45,13 @@ def save_quantized_model(
         for name, qw in quantized.items():
             writer.add(linear_tensors(name, qw, dtype))
         return writer.finalize(config, (), quantization_config)
+
+
+def data_bytes(path: Path) -> int:
+    """The safetensors data bytes of a checkpoint: each shard's size less its 8-byte length and JSON header."""
+    total = 0
+    for shard in shard_files(path):
+        with open(shard, "rb") as handle:
+            (header,) = struct.unpack("<Q", handle.read(8))
+        total += shard.stat().st_size - 8 - header
+    return total

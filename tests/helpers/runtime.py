@@ -10,7 +10,9 @@ from helpers.checkpoint import save_quantized_model
 from helpers.tiny import rtn_for_tests, tiny_llama
 from quantkit.format.quantization_config import build_quantization_config, parse_quantization_config
 from quantkit.format.scheme import QuantScheme
+from quantkit.runtime.attention_backend import AttentionMetadata
 from quantkit.runtime.engine import Engine
+from quantkit.runtime.llm import LLM
 from quantkit.runtime.sampling_params import SamplingParams
 
 QUANT_GROUPS = [
@@ -96,3 +98,34 @@ def run_triton_interpreted(script: str, *args: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def paged_meta(
+    prefill: bool, tables: list[list[int]], starts: list[int], ns: list[int], block_size: int
+) -> AttentionMetadata:
+    """Attention metadata for sequences whose pages are ``tables``, each adding ``ns[i]`` tokens at ``starts[i]``."""
+    slots, ctx = [], []
+    for table, s, n in zip(tables, starts, ns, strict=True):
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(s, s + n)]
+        ctx.append(s + n)
+    width = max(len(t) for t in tables)
+    return AttentionMetadata(
+        is_prefill=prefill,
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        context_lens=torch.tensor(ctx, dtype=torch.int32),
+        query_lens=ns,
+        context_lens_list=ctx,
+    )
+
+
+# the small paged cache the per-family runtime tests serve their tiny models with
+SMALL_CACHE = {"num_kv_blocks": 64, "block_size": 4, "max_model_len": 128}
+
+
+def small_engine(path: Path) -> Engine:
+    return Engine(path, **SMALL_CACHE)
+
+
+def small_llm(path: Path, **kw) -> LLM:
+    return LLM(path, **SMALL_CACHE, **kw)

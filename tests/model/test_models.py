@@ -17,8 +17,29 @@ def test_architecture_table_covers_the_llama_family():
         ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
         ("mlp.gate_proj", "mlp.up_proj"),
     )
-    with pytest.raises(UnsupportedArchitectureError, match="supported model types: llama, mistral, qwen2, qwen3"):
+    listed = ", ".join(sorted(supported_model_types()))
+    with pytest.raises(UnsupportedArchitectureError, match=f"supported model types: {listed}$"):
         arch_for_model_type("gpt2")
+
+
+def test_moe_families_expand_per_expert_from_their_config():
+    config = {"model_type": "qwen2_moe", "num_experts": 3, "num_experts_per_tok": 2}
+    from quantkit.model.architectures import arch_for_config
+
+    arch = arch_for_config(config)
+    assert arch.num_experts == 3 and arch.float_linears == ("mlp.gate", "mlp.shared_expert_gate")
+    assert [s.name for s in arch.stages] == ["qkv", "o", "gate_up", "down.shared", "down.0", "down.1", "down.2"]
+    assert len(arch.stage("gate_up").linears) == 2 + 2 * 3  # the shared expert's gate/up, then each expert's
+    assert arch.fused_groups[-2] == arch.routed_expert_linears()  # one scheme for every expert of a layer
+    routed = [s.name for s in arch.routed_stages()]
+    assert routed[2:6] == ["gate_up", "gate_up.0", "gate_up.1", "gate_up.2"]
+    assert arch_for_config({"model_type": "mixtral", "num_local_experts": 2}).routed_expert_linears(1) == (
+        "block_sparse_moe.experts.1.w1",
+        "block_sparse_moe.experts.1.w3",
+        "block_sparse_moe.experts.1.w2",
+    )
+    with pytest.raises(UnsupportedArchitectureError, match="gives no num_experts"):
+        arch_for_config({"model_type": "qwen3_moe"})
 
 
 def test_unsupported_architecture_on_load(tmp_path):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers.runtime import paged_meta
 from helpers.tiny import rtn_for_tests
 from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -119,19 +120,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) ->
 
 
 def _meta(prefill: bool, tables: list[list[int]], starts: list[int], ns: list[int]) -> AttentionMetadata:
-    slots, ctx = [], []
-    for table, s, n in zip(tables, starts, ns, strict=True):
-        slots += [table[p // BS] * BS + p % BS for p in range(s, s + n)]
-        ctx.append(s + n)
-    width = max(len(t) for t in tables)
-    return AttentionMetadata(
-        is_prefill=prefill,
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        context_lens=torch.tensor(ctx, dtype=torch.int32),
-        query_lens=ns,
-        context_lens_list=ctx,
-    )
+    return paged_meta(prefill, tables, starts, ns, BS)
 
 
 def test_prefill_reads_cached_prefix_and_decode_is_batched() -> None:

@@ -89,3 +89,75 @@ def test_a_command_over_the_cap_is_killed_and_one_under_it_is_measured(use_cgrou
     assert 300e6 < under.peak_anon_bytes <= under.peak_rss_bytes < 2e9 and under.enforcement.startswith(
         "cgroup" if use_cgroup else "watch"
     )
+
+
+def _stored_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in directory.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            shapes |= {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118 (a safe_open handle is not iterable)
+    return shapes
+
+
+def test_a_random_moe_model_is_stored_per_expert_as_transformers_saves_it(tmp_path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from quantkit.model.resolve import arch_for_dir
+
+    shape = random_model.PRESETS["tiny-moe"]
+    assert shape.experts is not None and shape.attention_dim != shape.hidden // shape.heads  # head_dim as Qwen3's
+    out = random_model.build_random_model(tmp_path / "m", "tiny-moe", shard_mb=1)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "qwen3_moe" and config["head_dim"] == shape.attention_dim
+    assert config["num_experts_per_tok"] == shape.experts.top_k and config["norm_topk_prob"] is True
+    # transformers' own model of this config, saved: the same tensors under the same names and shapes
+    reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out))
+    reference.save_pretrained(tmp_path / "reference")
+    stored = _stored_shapes(out)
+    assert stored == _stored_shapes(tmp_path / "reference")
+    assert "model.layers.1.mlp.experts.7.down_proj.weight" in stored and "lm_head.weight" in stored
+    assert sum(math.prod(s) for s in stored.values()) == random_model.parameter_count(shape)
+    assert arch_for_dir(out).num_experts == shape.experts.count  # quantkit reads it as a mixture of experts
+
+
+def test_the_qwen3_moe_preset_has_the_real_models_layer_shapes_in_1_to_2b_parameters() -> None:
+    shape = random_model.PRESETS["qwen3-30b-a3b-e16"]
+    assert (shape.hidden, shape.heads, shape.kv_heads, shape.attention_dim, shape.vocab) == (2048, 32, 4, 128, 151936)
+    assert shape.experts is not None and (shape.experts.intermediate, shape.experts.top_k) == (768, 8)
+    assert not shape.tied and shape.rope_theta == 1e6
+    params = random_model.parameter_count(shape)
+    layer = sum(math.prod(s) for n, s in random_model.tensor_shapes(shape) if n.startswith("model.layers.0."))
+    assert 1e9 < params < 2e9
+    assert layer * 4 < 0.6 * params * 2 / 2  # one block in float32 takes under half the cap (60% of bf16)
+
+
+def test_the_scale_table_records_a_loader_that_fails_as_not_loadable(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks import record as record_module
+    from benchmarks import scale_record
+
+    monkeypatch.setattr(record_module, "RESULTS", tmp_path)
+    run = {
+        "method": "gptq",
+        "ok": True,
+        "killed_over_cap": False,
+        "enforcement": "watchdog",
+        "wall_s": 30.0,
+        "block_seconds": [12.0, 9.0, 10.0],
+        "peak_rss_mb": 900.0,
+        "peak_anon_mb": 800.0,
+        "cgroup_peak_mb": None,
+        "checkpoint_mb": 1.0,
+        "load": {"quantkit_finite": True, "transformers_finite": False, "transformers_error": "KeyError: 'experts'"},
+    }
+    model = {"preset": "tiny-moe", "layers": 2, "parameters": 723840, "bf16_mb": 1.45, "shards": 1}
+    summary = {"model": model, "runs": [run], "cap_mb": 1000.0, "cap_fraction": 0.6, "scheme": "W4 g64 sym"}
+    summary |= {"calibration": "4 x 64", "command": "python -m benchmarks.bench_scale --preset tiny-moe"}
+    path = scale_record.record("scale_test", summary, random_model.PRESETS["tiny-moe"], shard_mb=1)
+    table = json.loads(path.read_text())
+    (row,) = table["rows"]
+    assert row[:3] == ["GPTQ (act-order, static groups, MSE clip)", "30", "9.5"]
+    assert row[-1] == "quantkit; not loadable in transformers (KeyError)"
+    assert "8 experts of intermediate 64 per layer, top-2 routing" in table["protocol"]
+    assert table["command"] == summary["command"] and any("12.0, 9.0, 10.0" in n for n in table["notes"])

@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from quantkit.format.scheme import QuantScheme
-from quantkit.model.architectures import ArchSpec, ScalingGroup
+from quantkit.model.architectures import GATE_UP, ArchSpec, ScalingGroup
 from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.model.staged_moe import SHARED, expert_stage
 from quantkit.quantization.solvers.awq import (
     AWQSettings,
     LossFn,
@@ -82,6 +83,36 @@ class _Captured:
         return torch.cat([_token_rows(t) for t in self.stage_inputs[stage_head]])
 
 
+def _captured_at(arch: ArchSpec, linear: str) -> str:
+    """Where a linear's float input is captured: its stage's first linear; in an MoE block, the sparse MLP's own
+    input for every MLP stage (an expert's linears see only its routed tokens in the forward pass, while AWQ, like
+    the solve, scores every expert on every token: :func:`_input_rows`)."""
+    stage = arch.stage_of(linear)
+    if arch.moe is not None and (stage.name == GATE_UP or expert_stage(stage.name) is not None):
+        return arch.mlp_path
+    return stage.head
+
+
+def _input_rows(
+    block: nn.Module, arch: ArchSpec, captured: _Captured, group_scales: Mapping[str, torch.Tensor], linear: str
+) -> torch.Tensor:
+    """A linear's float input rows as the float block computed them, before any scales were folded. An expert's
+    down_proj input is computed from the captured MLP input with the expert's gate/up as they are now: the MLP
+    input divided by the scales folded into gate/up, and the result times those folded into the down_proj."""
+    x = captured.rows(_captured_at(arch, linear))
+    expert = expert_stage(arch.stage_of(linear).name)
+    if arch.moe is None or expert is None or expert[0] == GATE_UP:
+        return x
+    key = expert[1]
+    moe = get_module(block, arch.mlp_path)
+    unit = getattr(moe, arch.moe.shared_expert or "") if key == SHARED else moe.expert_modules()[int(key)]
+    gate = next(name for name in arch.linears if name.startswith(linear.rpartition(".")[0] + ".") and name != linear)
+    if gate in group_scales:
+        x = x / group_scales[gate]
+    a = unit.act_fn(unit.gate_proj(x)) * unit.up_proj(x) if key == SHARED else unit.activation(x)
+    return a * group_scales[linear] if linear in group_scales else a
+
+
 def _output_width(module: nn.Module) -> int | None:
     if isinstance(module, nn.Linear):
         return module.out_features
@@ -94,7 +125,8 @@ def applicable_groups(block: nn.Module, arch: ArchSpec) -> tuple[list[ScalingGro
     ok, skipped = [], []
     for group in arch.awq_groups:
         width = _output_width(get_module(block, group.prev))
-        fits = width is not None and all(get_module(block, name).in_features == width for name in group.linears)
+        # a group's modules are Linears or hold a [N, K] weight (an MoE router, scaled with the experts it routes to)
+        fits = width is not None and all(get_module(block, name).weight.shape[1] == width for name in group.linears)
         (ok if fits else skipped).append(group)
     return ok, skipped
 
@@ -200,12 +232,15 @@ def apply_awq_to_block(
     for group in groups:
         inspected[group] = _inspected_module(group, balanced, config.objective)
         balanced.update(group.linears)
-    heads = sorted({arch.stage_of(name).head for name in arch.linears})
+    heads = sorted({_captured_at(arch, name) for name in arch.linears})
     captured = _capture(block, hidden, runner, heads, sorted({m for m in inspected.values() if m}))
     group_scales: dict[str, torch.Tensor] = {}  # balanced linear -> the scales its input was divided by
 
+    def rows(name: str) -> torch.Tensor:
+        return _input_rows(block, arch, captured, group_scales, name)
+
     for group in groups:
-        x = captured.rows(arch.stage_of(group.linears[0]).head)
+        x = rows(group.linears[0])
         stat = ActStat.zeros(x.shape[1], device=x.device)
         stat.update(x)
         linears = [get_module(block, name) for name in group.linears]
@@ -219,7 +254,7 @@ def apply_awq_to_block(
             scale_dtype=scale_dtype,
         )
         if result.ratio is not None:
-            fold_scales(get_module(block, group.prev), linears, result.scales)
+            fold_scales(get_module(block, group.prev), linears, result.scales, arch.norm_offset)
             group_scales.update(dict.fromkeys(group.linears, result.scales))
         report.groups.append(
             GroupReport(group.prev, group.linears, result.ratio, result.rtn_error, result.error, inspected[group])
@@ -229,7 +264,7 @@ def apply_awq_to_block(
         for name in arch.linears:
             if name.rsplit(".", 1)[-1] in _NO_CLIP or name not in schemes:
                 continue
-            x = captured.rows(arch.stage_of(name).head)
+            x = rows(name)
             if name in group_scales:
                 x = x / group_scales[name]
             linear = get_module(block, name)

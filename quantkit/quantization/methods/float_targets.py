@@ -34,10 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantkit.errors import QuantkitError
 from quantkit.model.architectures import DOWN, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.staged_block import StagedBlock
-from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks, SolveJob
+from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks, JobView, SolveJob
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
 
 _MIN_DAMP = 1e-4  # with --damp 0: some damping, so that a singular Hessian still factors
@@ -210,6 +211,19 @@ class FloatCompanion:
 
 
 class _Hooks(Hooks):
+    def prepare(self, config: Any, job: JobView) -> None:
+        if job.arch.sandwich_norms is not None:
+            raise QuantkitError(
+                f"--float-targets is not defined for {job.arch.family}: a norm on each sub-block's output "
+                f"({', '.join(job.arch.sandwich_norms)}) stands between the solved linears and the residual stream "
+                "whose error the targets correct; drop --float-targets"
+            )
+        if job.arch.moe is not None:
+            raise QuantkitError(
+                f"--float-targets is not defined for mixture-of-experts models ({job.arch.family}): its float path "
+                "follows one dense MLP, not routed experts; drop --float-targets (GPTQ, AWQ and --rotate work)"
+            )
+
     def companion(self, config: Any, work: BlockWork) -> Companion:
         # a float copy, before any linear is quantized
         return FloatCompanion(FloatPath(work.block, work.arch, work.runner, work.float_input))

@@ -28,9 +28,13 @@ class LayerRecord:
     loss: float | None  # GPTQ objective tr(dW H dW^T); None for round-to-nearest
     damp: float | None
     fell_back_to_rtn: bool = False
+    routed_tokens: int | None = None  # a routed expert's linear: calibration tokens the router sent to its expert
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.routed_tokens is None:  # a dense linear's record stays as it always was
+            del data["routed_tokens"]
+        return data
 
 
 def kind_dict(record: Any) -> dict[str, Any]:

@@ -154,6 +154,7 @@ class _Trial:
         self.block, self.groups, self.schemes = block, groups, schemes
         self.hidden, self.reference, self.runner, self.storage = hidden, reference, runner, storage
         self.runs = _same_scheme_runs(arch, schemes)
+        self.norm_offset = arch.norm_offset
         touched = {g.group.prev for g in groups} | {n for g in groups for n in g.group.linears} | set(schemes)
         self.saved = {
             (name, key): p.detach().clone()
@@ -169,7 +170,7 @@ class _Trial:
         """Mean squared error of the block output against the float block's, smoothed with ``alpha`` (None: not)."""
         try:
             if alpha is not None:
-                fold_all(self.block, self.groups, alpha)
+                fold_all(self.block, self.groups, alpha, self.norm_offset)
             for names, scheme in self.runs:
                 linears = [get_module(self.block, name) for name in names]
                 dense = fake_quantize_weights([lin.weight for lin in linears], scheme, self.storage)
@@ -186,11 +187,13 @@ class _Trial:
             self.restore()
 
 
-def fold_all(block: nn.Module, groups: Sequence[_Group], alpha: float) -> None:
+def fold_all(block: nn.Module, groups: Sequence[_Group], alpha: float, norm_offset: float = 0.0) -> None:
     """Fold every group's factors at ``alpha`` into ``block``: the float function is unchanged. The factors come
-    from the float block's maxima, so folding one group first does not change another's."""
+    from the float block's maxima, so folding one group first does not change another's. ``norm_offset``: the
+    architecture's (Gemma's norms multiply by 1 + weight)."""
     for g in groups:
-        fold_scales(get_module(block, g.group.prev), [get_module(block, n) for n in g.group.linears], g.scales(alpha))
+        linears = [get_module(block, n) for n in g.group.linears]
+        fold_scales(get_module(block, g.group.prev), linears, g.scales(alpha), norm_offset)
 
 
 @torch.no_grad()
@@ -221,5 +224,5 @@ def smooth_block(
     if report.alpha is None:
         report.groups = []
     else:
-        fold_all(block, groups, report.alpha)
+        fold_all(block, groups, report.alpha, arch.norm_offset)
     return report

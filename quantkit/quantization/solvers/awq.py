@@ -228,10 +228,14 @@ def awq_scale_search(
     return best
 
 
-def fold_scales(prev_module: nn.Module, linears: Sequence[nn.Linear], scales: torch.Tensor) -> None:
+def fold_scales(
+    prev_module: nn.Module, linears: Sequence[nn.Linear], scales: torch.Tensor, norm_offset: float = 0.0
+) -> None:
     """In place: ``prev``'s output channels divided by ``scales`` and the linears' input columns multiplied by them.
 
-    ``prev`` is a norm with an elementwise ``weight`` [K] (and optional ``bias``) or a Linear with K outputs.
+    ``prev`` is a norm with an elementwise ``weight`` [K] (and optional ``bias``) or a Linear with K outputs. A norm
+    that multiplies by ``norm_offset + weight`` (Gemma's, offset 1) keeps its form: the weight becomes
+    ``(offset + weight) / s - offset``.
     """
     k = scales.numel()
     s = scales.detach().float()
@@ -246,11 +250,11 @@ def fold_scales(prev_module: nn.Module, linears: Sequence[nn.Linear], scales: to
                 raise QuantkitError(
                     f"cannot fold {k} scales into {type(prev_module).__name__}: no weight of shape [{k}]"
                 )
-            weight.copy_(weight.float() / s)
+            weight.copy_((weight.float() + norm_offset) / s - norm_offset)
         bias = getattr(prev_module, "bias", None)
         if bias is not None:
             bias.copy_(bias.float() / s)
-        for linear in linears:
-            if linear.in_features != k:
-                raise QuantkitError(f"cannot fold {k} scales into a Linear with {linear.in_features} inputs")
+        for linear in linears:  # a Linear, or a module holding a [N, K] weight (an MoE router)
+            if linear.weight.shape[1] != k:
+                raise QuantkitError(f"cannot fold {k} scales into a Linear with {linear.weight.shape[1]} inputs")
             linear.weight.copy_(linear.weight.float() * s[None, :])

@@ -8,7 +8,8 @@ context length 0 gets zeros.
 
 The kernel runs one program per (sequence, kv head, partition): all query heads of a kv group share each K/V
 load; long contexts are split into partitions (flash-decoding) whose partial softmax states are merged by a
-second small kernel.
+second small kernel. With a sliding ``window`` a sequence attends to its last ``window`` keys only: the programs
+start there (a partition wholly before it contributes nothing to the merge).
 
 8-bit caches (int8 / float8_e4m3fn) come with float16 ``k_scale``/``v_scale [num_blocks, block_size, Hkv]``
 (one scale per token slot and kv head): the kernel loads the 8-bit rows and their scales and dequantizes in
@@ -40,6 +41,7 @@ def _paged_attention_kernel(
     l_ptr,  # fp32 [B, Hq, P] running denominator
     scale_log2,
     block_size,
+    window,  # keys seen: the last ``window`` of the context (the block-table capacity when there is no window)
     stride_qb,
     stride_qh,
     stride_kn,
@@ -89,7 +91,7 @@ def _paged_attention_kernel(
     acc = tl.zeros((QPK_PAD, D_PAD), dtype=tl.float32)
 
     end = tl.minimum(ctx, start + PARTITION)
-    for t0 in range(start, end, BLOCK_N):
+    for t0 in range(tl.maximum(start, ctx - window), end, BLOCK_N):
         offs_t = t0 + tl.arange(0, BLOCK_N)
         t_mask = offs_t < end
         page = tl.load(bt_ptr + b * stride_btb + offs_t // block_size, mask=t_mask, other=0).to(tl.int64)
@@ -236,10 +238,12 @@ def paged_attention(
     block_n: int | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Triton decode attention; returns ``[B, Hq, D]`` in ``q.dtype``.
 
-    With ``k_scale``/``v_scale`` the caches are 8-bit (int8 / float8_e4m3fn) and are dequantized in-kernel.
+    With ``k_scale``/``v_scale`` the caches are 8-bit (int8 / float8_e4m3fn) and are dequantized in-kernel; with
+    ``window`` each sequence attends to its last ``window`` keys.
 
     ``partition_size`` (a power of two) bounds the tokens one program handles; the number of partitions is
     taken from the block table width (no device sync), programs past a sequence's end exit at once.
@@ -276,6 +280,7 @@ def paged_attention(
         l_sum,
         float(scale) * math.log2(math.e),
         block_size,
+        min(window or max_tokens, max_tokens),
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -327,8 +332,10 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """Per-sequence reference: gather the pages, explicit fp32 softmax attention; output in ``q.dtype``."""
+    """Per-sequence reference: gather the pages, explicit fp32 softmax attention over the last ``window`` keys (all
+    without one); output in ``q.dtype``."""
     bsz, hq, d = q.shape
     block_size, hkv = int(k_cache.shape[1]), int(k_cache.shape[2])
     out = torch.zeros(bsz, hq, d, dtype=torch.float32, device=q.device)
@@ -339,8 +346,9 @@ def paged_attention_reference(
         pages = block_tables[b, : math.ceil(ctx / block_size)].long()
         k = k_cache[pages].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(hq // hkv, dim=1)  # [T, Hq, D]
         v = v_cache[pages].reshape(-1, hkv, d)[:ctx].float().repeat_interleave(hq // hkv, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale
-        out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v)
+        first = max(0, ctx - window) if window else 0
+        scores = torch.einsum("hd,thd->ht", q[b].float(), k[first:]) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v[first:])
     return out.to(q.dtype)
 
 

@@ -76,3 +76,18 @@ def test_rejects_bad_inputs(device):
         paged_attention(q, kc, vc, bt, lens[:1], 1.0)
     with pytest.raises(ValueError, match="dtype"):
         paged_attention(q, kc, vc.float(), bt, lens, 1.0)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 40, 500])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sliding_window_matches_reference(device, window, dtype):
+    """Each sequence attends to its last ``window`` keys, in one partition or in several (a partition wholly before
+    the window contributes nothing to the merge)."""
+    args = [t.to(device) for t in make_case([5, 71, 32], 4, 2, 32, block_size=16, dtype=dtype)]
+    scale = 32**-0.5
+    ref = paged_attention_reference(*args, scale, window=window)
+    assert rel_err(paged_attention(*args, scale, window=window), ref) <= TOL[dtype]
+    split = paged_attention(*args, scale, partition_size=32, block_n=16, window=window)  # three partitions of 71
+    assert rel_err(split, ref) <= TOL[dtype]
+    if window < 32:  # the window bites: attending to the whole context differs
+        assert rel_err(paged_attention_reference(*args, scale), ref) > 1e-2

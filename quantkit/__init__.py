@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "AWQConfig",
+    "BehaviourConfig",
     "CalibrationConfig",
     "EvalConfig",
     "FloatTargetsConfig",
@@ -37,6 +38,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from quantkit.data.calibration import CalibrationConfig
+    from quantkit.eval.behaviour import BehaviourConfig
     from quantkit.eval.evaluate import EvalConfig, evaluate
     from quantkit.format.scheme import QuantScheme
     from quantkit.quantization.config import QuantizeConfig
@@ -68,6 +70,7 @@ _LAZY: dict[str, tuple[str, str]] = {
     "CalibrationConfig": ("quantkit.data.calibration", "CalibrationConfig"),
     "evaluate": ("quantkit.eval.evaluate", "evaluate"),
     "EvalConfig": ("quantkit.eval.evaluate", "EvalConfig"),
+    "BehaviourConfig": ("quantkit.eval.behaviour", "BehaviourConfig"),  # EvalConfig(behaviour=...)
     "LLM": ("quantkit.runtime.llm", "LLM"),
     "SamplingParams": ("quantkit.runtime.sampling_params", "SamplingParams"),
 }

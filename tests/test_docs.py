@@ -112,3 +112,12 @@ def test_the_serving_prose_names_the_codes_metrics_and_numbers_the_server_has() 
     options = (REPO / "benchmarks" / "abuse.py").read_text()
     for flag in set(re.findall(r"(--[a-z][\w-]+)", abuse)):
         assert f'"{flag}"' in options, flag
+
+
+def test_the_supported_architectures_section_names_every_model_type_of_the_table() -> None:
+    from quantkit.model.architectures import supported_model_types
+
+    text = (DOCS / "formats.md").read_text()
+    section = text.split("## Supported architectures", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`([a-z0-9_]+)`", section))
+    assert set(supported_model_types()) <= named, sorted(set(supported_model_types()) - named)

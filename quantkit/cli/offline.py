@@ -12,6 +12,7 @@ from rich.table import Table
 from quantkit.cli.app import DeviceOption, JsonOption, ModelOption, app, err, out, write_json_option
 from quantkit.cli.job_options import with_job_options
 from quantkit.data.calibration import FORCE_SMALL_FLAG, MIN_TEXT_COVERAGE, CalibrationConfig
+from quantkit.eval.behaviour import BehaviourConfig
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS
 
@@ -115,12 +116,39 @@ def eval_(
     ] = EvalConfig.batch_size,
     text_column: TextColumn = EvalConfig.text_column,
     device: DeviceOption = EvalConfig.device,
+    behaviour: Annotated[
+        bool,
+        typer.Option(
+            "--behaviour",
+            help="Also generate greedy replies to the shipped chat prompts with MODEL and the reference: end rate, "
+            "repetition, first-32-token agreement, reasoning tags closed (needs a chat template).",
+        ),
+    ] = False,
+    behaviour_prompts: Annotated[
+        int | None,
+        typer.Option(help=f"With --behaviour: the first N shipped prompts (default {BehaviourConfig.prompts})."),
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(
+            help=f"With --behaviour: tokens a reply may take before it counts as not ended "
+            f"(default {BehaviourConfig.max_new_tokens})."
+        ),
+    ] = None,
     json_out: JsonOption = None,
 ) -> None:
     """Perplexity, and with --reference: the reference's perplexity and the change in percent, KL divergence
-    (mean, p99) and top-1 agreement."""
+    (mean, p99) and top-1 agreement; with --behaviour, how the replies of MODEL and the reference compare."""
+    from quantkit.errors import QuantkitError
     from quantkit.eval.evaluate import evaluate
-    from quantkit.eval.report import eval_table
+    from quantkit.eval.report import behaviour_table, eval_table
+
+    if not behaviour and (behaviour_prompts is not None or max_new_tokens is not None):
+        raise QuantkitError("--behaviour-prompts and --max-new-tokens apply to --behaviour; add --behaviour")
+    replies = BehaviourConfig(
+        prompts=BehaviourConfig.prompts if behaviour_prompts is None else behaviour_prompts,
+        max_new_tokens=BehaviourConfig.max_new_tokens if max_new_tokens is None else max_new_tokens,
+    )
 
     config = EvalConfig(
         dataset=dataset,
@@ -132,10 +160,13 @@ def eval_(
         batch_size=batch_size,
         text_column=text_column,
         device=device,
+        behaviour=replies if behaviour else None,
     )
     result = evaluate(model, config)
     write_json_option(json_out, result.to_dict())
     out.print(eval_table(result))
+    if result.behaviour is not None:
+        out.print(behaviour_table(result.behaviour))
 
 
 @app.command()

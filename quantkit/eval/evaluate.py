@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -20,6 +20,7 @@ from quantkit.data.sources import DEFAULT_EVALUATION, load_documents
 from quantkit.data.tokens import bos_prefix, encode_documents, join_documents
 from quantkit.device import DEFAULT_DEVICE, resolve_device
 from quantkit.errors import QuantkitError
+from quantkit.eval.behaviour import BehaviourConfig, check_chat_template, measure_behaviour
 from quantkit.eval.logit_metrics import RunningMetrics
 from quantkit.eval.noise import compare_metrics, standard_errors
 from quantkit.memory import release_freed_memory
@@ -46,6 +47,7 @@ class EvalConfig:
     text_column: str = "text"
     batch_size: int = 1  # windows per forward pass; each holds [seq_len, vocab] logits per model while scored
     device: str = DEFAULT_DEVICE  # where the models run and the windows are scored (quantkit.device)
+    behaviour: BehaviourConfig | None = None  # greedy replies to the shipped chat prompts, against the reference
     show_progress: bool = True
 
     def validate(self) -> None:
@@ -58,6 +60,10 @@ class EvalConfig:
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be at least 1, got {self.batch_size}")
         resolve_device(self.device)
+        if self.behaviour is not None:
+            if self.reference is None:
+                raise QuantkitError("--behaviour compares replies with a reference model's; add --reference MODEL")
+            self.behaviour.validate()
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +95,7 @@ class EvalResult:
     kl_mean_se: float | None = None
     top1_se: float | None = None
     comparison: dict | None = None  # --compare: the other model's figures and the paired differences
+    behaviour: dict | None = None  # --behaviour: quantkit.eval.behaviour.BehaviourResult as data
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -177,6 +184,8 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
     start = time.perf_counter()
     arch_for_dir(resolve_model(name))  # an unsupported architecture fails before any work
     tokenizer = load_tokenizer(name)
+    if config.behaviour is not None:
+        check_chat_template(tokenizer, name)  # before any work, not after the perplexity pass
     dataset = config.dataset if config.dataset is not None else str(DEFAULT_EVALUATION)
     docs = load_documents(dataset, text_column=config.text_column)
     stream = join_documents(
@@ -196,12 +205,12 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
                 raise QuantkitError(f"{role} '{other}' uses a different tokenizer from '{name}'; {why}")
     device = resolve_device(config.device)
     loaded = load_model(name, device=device)
-    reference_fn = None
+    reference_fn = reference = None
     if config.reference is not None:
         same = resolve_model(config.reference) == resolve_model(name)
         reference = loaded if same else load_model(config.reference, device=device)  # one copy of a model
         reference_fn = model_logits_fn(reference)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    torch.set_num_threads(_threads())
     metrics = score_windows(
         model_logits_fn(loaded),
         windows,
@@ -237,8 +246,17 @@ def evaluate(model: str | Path, config: EvalConfig | None = None) -> EvalResult:
             show_progress=config.show_progress,
         )
         result.comparison = compare_metrics(config.compare, metrics, other_metrics)
+    if config.behaviour is not None:
+        behaviour = replace(config.behaviour, show_progress=config.show_progress and config.behaviour.show_progress)
+        result.behaviour = measure_behaviour(loaded, tokenizer, reference, behaviour, name=name).to_dict()
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _threads() -> int:
+    """Every core, unless the user capped the threads with OMP_NUM_THREADS (a machine shared with other jobs)."""
+    capped = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    return int(capped) if capped.isdigit() and int(capped) > 0 else max(1, os.cpu_count() or 1)
 
 
 def perplexity_change_pct(perplexity: float, reference_perplexity: float | None) -> float | None:

@@ -1,9 +1,11 @@
-"""The evaluation table: one row per figure, so it fits an 80-column terminal (or a pipe) with nothing cut."""
+"""The evaluation tables: one row per figure, so they fit an 80-column terminal (or a pipe) with nothing cut; with
+--behaviour, a second table sets the candidate's reply figures beside the reference's."""
 
 from __future__ import annotations
 
 from rich.table import Table
 
+from quantkit.eval.behaviour import AGREEMENT_TOKENS
 from quantkit.eval.evaluate import EvalResult
 from quantkit.eval.noise import SAME
 
@@ -28,6 +30,48 @@ def eval_table(result: EvalResult) -> Table:
     table.add_row("windows", f"{result.windows} x {result.seq_len} tokens")
     table.add_row("text", result.dataset)
     table.add_row("seconds", f"{result.seconds:.1f}")
+    return table
+
+
+def behaviour_table(behaviour: dict) -> Table:
+    """Reply figures (``EvalResult.behaviour``): reference, candidate and their difference, ``±`` one standard
+    error over prompts."""
+    table = Table(
+        title=f"Behaviour: greedy replies to {behaviour['prompts']} shipped chat prompts "
+        f"(at most {behaviour['max_new_tokens']} new tokens)",
+        title_justify="left",
+    )
+    for column in ("figure", "reference", "candidate", "difference"):
+        table.add_column(column, justify="left" if column == "figure" else "right", overflow="fold")
+    reference, candidate, difference = behaviour["reference"] or {}, behaviour["candidate"], behaviour["difference"]
+    rows = [("end rate", "end_rate", ".3f"), ("repetition (4-grams)", "repetition", ".3f")]
+    for label, key, spec in rows:
+        table.add_row(
+            label,
+            _with_se(reference.get(key), reference.get(f"{key}_se"), spec),
+            _with_se(candidate[key], candidate[f"{key}_se"], spec),
+            _fmt(difference[key], "+" + spec),
+        )
+    table.add_row(
+        "mean reply tokens",
+        _fmt(reference.get("mean_reply_tokens"), ".1f"),
+        _fmt(candidate["mean_reply_tokens"], ".1f"),
+        _fmt(difference["mean_reply_tokens"], "+.1f"),
+    )
+    if behaviour["reasoning_tags"]:
+        closer = behaviour["reasoning_tags"][1]
+        table.add_row(
+            "reasoning tag opened", _fmt(reference.get("tag_open_rate"), ".3f"), _fmt(candidate["tag_open_rate"], ".3f")
+        )
+        table.add_row(
+            f"{closer} closed",
+            _fmt(reference.get("tag_close_rate"), ".3f"),
+            _fmt(candidate["tag_close_rate"], ".3f"),
+            _fmt(difference["tag_close_rate"], "+.3f"),
+        )
+    agreement = _with_se(behaviour["first32_agreement"], behaviour["first32_agreement_se"], ".3f")
+    table.add_row(f"first-{AGREEMENT_TOKENS}-token agreement", "-", agreement, "")
+    table.add_row("seconds", "", f"{behaviour['seconds']:.1f}", "")
     return table
 
 

@@ -18,13 +18,14 @@ from rich.table import Table
 from quantkit.atomic import write_json, write_text
 from quantkit.errors import QuantkitError
 from quantkit.recipes.report_markdown import fmt_value, render_markdown
+from quantkit.recipes.schema import BEHAVIOUR_GATES
 from quantkit.redaction import redact, redact_argv
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PER_LAYER_PNG = "per_layer.png"
 FRONTIER_PNG = "frontier.png"
-GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement", "min_quantized_fraction")
+GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement", "min_quantized_fraction", *BEHAVIOUR_GATES)
 
 
 @dataclass(slots=True)
@@ -84,23 +85,36 @@ def check_gates(
     gates: Any, quantized: dict[str, Any], baseline: dict[str, Any], quantized_fraction: float
 ) -> list[GateResult]:
     """Each gate the recipe sets (``gates``: its gates section), measured against its threshold; the evaluations
-    give the quality gates, the checkpoint's coverage audit its ``quantized_fraction``."""
+    give the quality and behaviour gates, the checkpoint's coverage audit its ``quantized_fraction``. A gate on a
+    figure that does not apply (a tag close rate where the template has no reasoning tags) is not checked."""
     measured = {
         "max_ppl_increase_pct": (quantized["perplexity"] / baseline["perplexity"] - 1) * 100,
         "max_kl_mean": quantized["kl_mean"],
         "min_top1_agreement": quantized["top1_agreement"],
         "min_quantized_fraction": quantized_fraction,
-    }
+    } | behaviour_measures(quantized.get("behaviour"))
     results = []
     for name in GATES:
         threshold = getattr(gates, name)
-        if threshold is None:
+        if threshold is None or measured.get(name) is None:
             continue
         value = float(measured[name])
         is_max = name.startswith("max_")
         margin = threshold - value if is_max else value - threshold
         results.append(GateResult(name, value, float(threshold), "<=" if is_max else ">=", margin >= 0, margin))
     return results
+
+
+def behaviour_measures(behaviour: dict[str, Any] | None) -> dict[str, float | None]:
+    """The behaviour gates' figures from an evaluation's ``behaviour`` (quantkit.eval.behaviour), {} without one."""
+    if behaviour is None:
+        return {}
+    return {
+        "min_end_rate": behaviour["candidate"]["end_rate"],
+        "max_repetition_increase": behaviour["difference"]["repetition"],
+        "min_first32_agreement": behaviour["first32_agreement"],
+        "min_tag_close_rate": behaviour["candidate"]["tag_close_rate"],  # None: no reasoning tags
+    }
 
 
 def environment() -> dict[str, Any]:

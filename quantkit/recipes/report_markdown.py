@@ -89,6 +89,13 @@ METRICS = (  # (label, figure key, format)
     ("KL mean", "kl mean", "{:.4g}"),
     ("KL p99", "kl p99", "{:.4g}"),
     ("top-1 agreement", "top-1 agreement", "{:.4f}"),
+    ("end rate (replies)", "end rate", "{:.3f}"),
+    ("reference end rate", "reference end rate", "{:.3f}"),
+    ("repetition (4-grams)", "repetition", "{:.3f}"),
+    ("reference repetition", "reference repetition", "{:.3f}"),
+    ("first-32 agreement", "first-32 agreement", "{:.3f}"),
+    ("tag close rate", "tag close rate", "{:.3f}"),
+    ("reference tag close rate", "reference tag close rate", "{:.3f}"),
 )
 
 

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_valid
 from quantkit.data.calibration import SELECTIONS, STRATEGIES, CalibrationConfig
 from quantkit.device import DEFAULT_DEVICE, check_device_name
 from quantkit.errors import QuantkitError
+from quantkit.eval.behaviour import BehaviourConfig
 from quantkit.eval.evaluate import EvalConfig
 from quantkit.export.run import COMPRESSED_TENSORS, OUTPUT_FORMATS
 from quantkit.format.engines import LAYOUT_POLICIES
@@ -37,6 +38,7 @@ from quantkit.schemas.validate import rule_error, validate
 from quantkit.server.smoke import SMOKE_MAX_TOKENS
 
 __all__ = [
+    "BehaviourSection",
     "CalibrationSection",
     "EvaluationSection",
     "GatesSection",
@@ -174,12 +176,35 @@ class OutputSection(FileModel):
         return [f for f in self.formats if f != COMPRESSED_TENSORS]
 
 
+class BehaviourSection(FileModel):
+    """Greedy replies to the shipped chat prompts (quantkit.eval.behaviour), the checkpoint's and the reference's."""
+
+    prompts: int = Field(BehaviourConfig.prompts, ge=1)
+    max_new_tokens: int = Field(BehaviourConfig.max_new_tokens, ge=1)
+
+    def config(self, show_progress: bool) -> BehaviourConfig:
+        return BehaviourConfig(prompts=self.prompts, max_new_tokens=self.max_new_tokens, show_progress=show_progress)
+
+
 class EvaluationSection(FileModel):
     dataset: str | None = EvalConfig.dataset  # None: the shipped held-out text
     windows: int | None = Field(EvalConfig.max_windows, ge=1)  # None: every window
     seq_len: int = Field(EvalConfig.seq_len, ge=2)
     reference: str | None = EvalConfig.reference  # None: the recipe's model
     batch_size: int = Field(EvalConfig.batch_size, ge=1)
+    behaviour: BehaviourSection | None = None  # None: no replies generated (the behaviour gates need them)
+
+    @field_validator("behaviour", mode="before")
+    @classmethod
+    def _switch(cls, value: Any) -> Any:
+        """``behaviour: true`` is short for the defaults, ``false`` for off (as ``solvers`` reads ``true``)."""
+        if isinstance(value, bool):
+            return {} if value else None
+        return value
+
+
+# the gates read from the behaviour figures: each needs evaluation.behaviour
+BEHAVIOUR_GATES = ("min_end_rate", "max_repetition_increase", "min_first32_agreement", "min_tag_close_rate")
 
 
 class GatesSection(FileModel):
@@ -188,6 +213,12 @@ class GatesSection(FileModel):
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
     # of the block linears' weights (params; embeddings, head and norms aside), the part written quantized
     min_quantized_fraction: float | None = Field(None, ge=0, le=1)
+    min_end_rate: float | None = Field(None, ge=0, le=1)  # share of the checkpoint's replies that end
+    # the checkpoint's repetition (share of repeated 4-grams) minus the reference's
+    max_repetition_increase: float | None = Field(None, ge=-1, le=1)
+    min_first32_agreement: float | None = Field(None, ge=0, le=1)  # first 32 reply tokens equal to the reference's
+    # the share of replies that open a reasoning tag and close it; checked only where the template has such tags
+    min_tag_close_rate: float | None = Field(None, ge=0, le=1)
 
 
 class SmokeSection(FileModel):
@@ -206,6 +237,14 @@ class Recipe(FileModel):
     gates: GatesSection = Field(default_factory=GatesSection)
     smoke: SmokeSection = Field(default_factory=SmokeSection)
     device: str = DEFAULT_DEVICE  # sensitivity, quantize and evaluation run here (auto, cpu, cuda, cuda:N)
+
+    @model_validator(mode="after")
+    def _behaviour_for_its_gates(self) -> Recipe:
+        if self.evaluation.behaviour is None:
+            for name in BEHAVIOUR_GATES:
+                if getattr(self.gates, name) is not None:
+                    raise rule_error(f"{name} gates the replies: add 'behaviour: true' to evaluation", "gates", name)
+        return self
 
     @field_validator("device")
     @classmethod

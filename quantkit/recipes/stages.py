@@ -16,7 +16,7 @@ from rich.console import Console
 from quantkit.atomic import write_json
 from quantkit.errors import QuantkitError
 from quantkit.progress import Interrupted
-from quantkit.recipes.cache import content_key, model_identity, recipe_cache_root
+from quantkit.recipes.cache import content_key, files_hash, model_identity, recipe_cache_root
 from quantkit.recipes.report import StageRecord
 from quantkit.recipes.schema import Recipe
 
@@ -175,8 +175,10 @@ def smoke_stage(run: RecipeRun, output: Path) -> dict[str, Any] | None:
 
 
 def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The checkpoint against the reference, and the reference's own perplexity (both cached)."""
+    """The checkpoint against the reference (with ``evaluation.behaviour``, their replies too), and the reference's
+    own perplexity (both cached)."""
     from quantkit.data.sources import DEFAULT_EVALUATION, load_documents
+    from quantkit.eval.behaviour import PROMPTS_FILE
     from quantkit.eval.evaluate import EvalConfig
     from quantkit.model.resolve import resolve_model
 
@@ -192,13 +194,21 @@ def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[s
         reference=reference,
         batch_size=ev.batch_size,
         device=run.recipe.device,
+        behaviour=None if ev.behaviour is None else ev.behaviour.config(run.show_progress),
         show_progress=run.show_progress,
     )
-    quant_key = content_key(checkpoint=run.hashes["checkpoint files"], reference=ref_id, **params)
+    # keyed by the prompts' content too; left out while off, so the keys of runs without behaviour stay valid
+    replies = {} if ev.behaviour is None else {"behaviour": [ev.behaviour.model_dump(), files_hash([PROMPTS_FILE])]}
+    quant_key = content_key(checkpoint=run.hashes["checkpoint files"], reference=ref_id, **params, **replies)
     quantized = _cached_eval(run, "evaluate", quant_key, str(output), config)
     base_key = content_key(model=ref_id, reference=None, **params)
     baseline = _cached_eval(
-        run, "baseline", base_key, reference, replace(config, reference=None), _baseline_from(quantized, reference)
+        run,
+        "baseline",
+        base_key,
+        reference,
+        replace(config, reference=None, behaviour=None),
+        _baseline_from(quantized, reference),
     )
     run.hashes["evaluation text"] = dataset_hash[:20]
     run.hashes["reference"] = ref_id
@@ -215,14 +225,35 @@ def evaluate_stages(run: RecipeRun, model_id: str, output: Path) -> tuple[dict[s
             "eval windows": quantized["windows"],
         }
     )
+    if quantized.get("behaviour") is not None:
+        run.figures.update(behaviour_figures(quantized["behaviour"]))
     return quantized, baseline
+
+
+def behaviour_figures(behaviour: dict[str, Any]) -> dict[str, Any]:
+    """The report's figures of an evaluation's replies (quantkit.eval.behaviour)."""
+    candidate, reference = behaviour["candidate"], behaviour["reference"]
+    figures = {
+        "end rate": candidate["end_rate"],
+        "reference end rate": reference["end_rate"],
+        "repetition": candidate["repetition"],
+        "reference repetition": reference["repetition"],
+        "first-32 agreement": behaviour["first32_agreement"],
+        "behaviour prompts": behaviour["prompts"],
+    }
+    if behaviour["reasoning_tags"]:
+        figures |= {
+            "tag close rate": candidate["tag_close_rate"],
+            "reference tag close rate": reference["tag_close_rate"],
+        }
+    return figures
 
 
 def _baseline_from(quantized: dict[str, Any], reference: str) -> dict[str, Any] | None:
     """The reference's own evaluation, when the checkpoint's evaluation already ran it over the same tokens."""
     if quantized.get("reference_perplexity") is None:
         return None
-    compared = ("kl_mean", "kl_p99", "top1_agreement", "reference_perplexity", "perplexity_change_pct")
+    compared = ("kl_mean", "kl_p99", "top1_agreement", "reference_perplexity", "perplexity_change_pct", "behaviour")
     return (
         quantized
         | {"model": reference, "reference": None, "perplexity": quantized["reference_perplexity"]}

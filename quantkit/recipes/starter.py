@@ -65,12 +65,18 @@ evaluation:
   windows: @eval_windows@      # null: every window
   seq_len: 512
   reference: null              # null: the recipe's model (baseline perplexity, KL, top-1)
+  # behaviour: true            # also greedy replies to the shipped chat prompts (needs a chat template)
 
 gates:                         # each optional; a failing gate makes `quantkit run` exit 1
   max_ppl_increase_pct: 25.0   # quantized perplexity vs the reference's, in percent
   max_kl_mean: 0.25            # mean KL divergence from the reference (nats/token)
   min_top1_agreement: 0.75     # fraction of positions with the reference's top-1 token
   min_quantized_fraction: 1.0  # of the block linears' weights, the part written quantized (ignore lowers it)
+  # with evaluation.behaviour (the float model's own end rate on the shipped prompts is about 0.7):
+  # min_end_rate: 0.6          # share of the checkpoint's replies that end within the token limit
+  # max_repetition_increase: 0.05  # share of repeated 4-grams, the checkpoint's minus the reference's
+  # min_first32_agreement: 0.15  # share of the first 32 reply tokens equal to the reference's
+  # min_tag_close_rate: 0.9    # reasoning tags opened and closed (checked only where the template has them)
 
 smoke:
   enabled: false               # serve the checkpoint and check greedy output against the offline engine

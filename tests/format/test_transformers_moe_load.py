@@ -59,7 +59,7 @@ def quantized(moe_dirs: dict[str, Path], tiny_calib_file: Path, tmp_path_factory
         if (family, preset) not in made:
             steps = parse_method("rtn")
             scheme = resolve_scheme(JobSteps(steps).scheme_defaults(), PRESETS[preset])
-            if not scheme.is_float:  # hidden size and expert width 64: groups of 32 fit both
+            if not scheme.is_float:  # hidden size 128 and expert width 64: groups of 32 fit both
                 scheme = dataclasses.replace(scheme, group_size=32)
             config = QuantizeConfig(solvers=steps, scheme=scheme, calibration_file=tiny_calib_file, show_progress=False)
             out = tmp_path_factory.mktemp(f"{family}-{preset}") / "q"
@@ -113,7 +113,10 @@ def test_symmetric_integer_experts_load_dequantized_with_quantkits_logits(family
     assert not info["missing_keys"] and not info["unexpected_keys"]
     experts = hf_model.model.layers[0].mlp.experts
     # dequantized at load: one dense float tensor per projection kind, no packed weights kept
-    assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape == (NUM_EXPERTS, 128, 64)
+    config = hf_model.config
+    expert_width = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    shape = (NUM_EXPERTS, 2 * expert_width, config.hidden_size)
+    assert experts.gate_up_proj.dtype == torch.float32 and experts.gate_up_proj.shape == shape
     assert not any("packed" in name for name, _ in experts.named_parameters())
     quantkit_model = load_model(path)
     _assert_same_experts(path, hf_model, quantkit_model)

@@ -38,7 +38,10 @@ ALLOWED: dict[str, set[str]] = {
     # one module per algorithm: its config, capabilities and hooks, programmed against the hooks' views
     "quantization.methods": {"quantization.solvers", "quantization.statistics", "format", "model", "rotation"},
     "rotation": {"model"},
+    # torch.distributed plumbing: ranks, the fixed-order reduction, the solve plan; no algorithm, no file format
+    "distributed": set(),
     "quantization": {
+        "distributed",
         "quantization.methods",
         "quantization.solvers",
         "quantization.statistics",

@@ -10,8 +10,11 @@ directory holding the .deb files; the R data is read with the PyPI package `rdat
   - `austen_persuasion_eval.txt`: the whole of *Persuasion* as plain text (held out: the default evaluation text).
   - `austen_chat.jsonl`: *Pride and Prejudice* as chat records, per chapter a user turn asking to continue its
     first paragraph and the rest of the chapter as the assistant's answer (calibration in chat format).
-- r-cran-tokenizers: Herman Melville's *Moby-Dick* (`melville_mobydick.jsonl`: one record per chapter, the
-  Project Gutenberg header and licence dropped): calibration text from another author and century.
+- r-cran-tokenizers: Herman Melville's *Moby-Dick*, the Project Gutenberg header and licence dropped:
+  - `melville_mobydick.jsonl`: chapters 1-100, one record per chapter: calibration text from another author and
+    century;
+  - `melville_mobydick_eval.txt`: chapters 101-135 as plain text (held out: the out-of-domain evaluation text, for
+    models calibrated on Austen as users calibrate on their own data).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ AUSTEN_PACKAGE = "r-cran-janeaustenr"
 MELVILLE_PACKAGE = "r-cran-tokenizers"
 CHAPTER = re.compile(r"^chapter\s+[\dIVXLC]+\.?$", re.IGNORECASE)
 MELVILLE_CHAPTER = re.compile(r"^CHAPTER \d+\. .*$")
+MELVILLE_HELD_OUT_FROM = 101  # chapters from this one on are the out-of-domain evaluation text
 GUTENBERG_END = re.compile(r"^(End of Project Gutenberg|\*\*\* END OF THIS PROJECT GUTENBERG)", re.MULTILINE)
 
 
@@ -125,6 +129,7 @@ def main() -> None:
         books = read_r_data(fetch_deb(AUSTEN_PACKAGE, debs), workdir)
         (mobydick,) = read_r_data(fetch_deb(MELVILLE_PACKAGE, debs), workdir)["mobydick"]
     args.out.mkdir(parents=True, exist_ok=True)
+    melville = chapters(melville_lines(mobydick), MELVILLE_CHAPTER)
     outputs = {
         "austen_calibration.jsonl": [
             {"text": "\n\n".join(paras), "source": f"{title}, {heading}"}
@@ -134,14 +139,16 @@ def main() -> None:
         "austen_chat.jsonl": chat_records(books[CHAT_BOOK[0]], CHAT_BOOK[1]),
         "melville_mobydick.jsonl": [
             {"text": "\n\n".join(paras), "source": f"Moby-Dick, {heading}"}
-            for heading, paras in chapters(melville_lines(mobydick), MELVILLE_CHAPTER)
+            for heading, paras in melville[: MELVILLE_HELD_OUT_FROM - 1]
         ],
     }
     for name, records in outputs.items():
         write_jsonl(args.out / name, records)
     key, _ = EVALUATION_BOOK
     (args.out / "austen_persuasion_eval.txt").write_text("\n\n".join(paragraphs(books[key])) + "\n", encoding="utf-8")
-    for name in [*outputs, "austen_persuasion_eval.txt"]:
+    held_out = [text for heading, paras in melville[MELVILLE_HELD_OUT_FROM - 1 :] for text in (heading, *paras)]
+    (args.out / "melville_mobydick_eval.txt").write_text("\n\n".join(held_out) + "\n", encoding="utf-8")
+    for name in [*outputs, "austen_persuasion_eval.txt", "melville_mobydick_eval.txt"]:
         path = args.out / name
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
         print(f"{path.name}: {path.stat().st_size / 1e6:.2f} MB sha256:{digest}")

@@ -13,7 +13,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _blocks() -> dict[str, dict[str, Callable[[], str]]]:
+    from quantkit.format.outer_engines import outer_markdown
     from quantkit.format.preset_table import moe_markdown, presets_markdown
+    from quantkit.quantization.gguf.mixes import default_model_markdown, mixes_markdown
     from quantkit.quantization.options import options_markdown
     from tools.behaviour_docs import behaviour_markdown
     from tools.serving_docs import serving_blocks
@@ -21,7 +23,13 @@ def _blocks() -> dict[str, dict[str, Callable[[], str]]]:
     serving = serving_blocks()
     return {
         "docs/cli.md": {"quantize-options": options_markdown, "behaviour": behaviour_markdown},
-        "docs/formats.md": {"presets": presets_markdown, "moe-experts": moe_markdown},
+        "docs/formats.md": {
+            "presets": presets_markdown,
+            "moe-experts": moe_markdown,
+            "outer-modules": outer_markdown,
+            "gguf-mixes": mixes_markdown,
+            "gguf-default-model": default_model_markdown,
+        },
         "docs/serving.md": {name: (lambda text=text: text) for name, text in serving.items()},
     }
 

@@ -43,6 +43,7 @@ app = typer.Typer(
 out = Console(emoji=False)
 err = Console(stderr=True, emoji=False, highlight=False)
 EXIT_INPUT_ERROR = 2
+DISTRIBUTED_COMMANDS = ("quantkit quantize", "quantkit run")  # what runs on several processes under torchrun
 EXIT_INTERRUPTED = 130
 
 ModelOption = Annotated[str, typer.Option("--model", "-m", help="Local HF directory, hub id, or alias (smollm2-135m).")]
@@ -97,13 +98,20 @@ def main() -> None:
     """Console entry point: user errors (a missing extra among them) become one red line and exit code 2, Ctrl-C
     one line saying how far the work got and exit 130, a warning one yellow line (every command, recipes'
     stages included); never a traceback."""
+    from quantkit.distributed.context import SameOnEveryRank, distributed_session, rank_label, world_from_env
     from quantkit.extras import missing_extra_error
 
     try:
-        with warnings_as_lines():
+        if world_from_env() is not None and _command_name() not in DISTRIBUTED_COMMANDS:
+            raise SameOnEveryRank(
+                f"{_command_name() or 'this command'} runs as one process; under torchrun use "
+                f"{' or '.join(DISTRIBUTED_COMMANDS)}"
+            )
+        with distributed_session(), warnings_as_lines():  # under torchrun: the process group, for the whole command
             app()
     except QuantkitError as exc:
-        err.print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        if not isinstance(exc, SameOnEveryRank) or rank_label() in ("", "rank 0: "):  # torchrun: said once
+            err.print(f"[bold red]error:[/] {escape(rank_label() + str(exc))}", soft_wrap=True)
         sys.exit(EXIT_INPUT_ERROR)
     except ModuleNotFoundError as exc:
         missing = missing_extra_error(exc, _command_name())
@@ -116,7 +124,7 @@ def main() -> None:
             raise
         where = f" writing {exc.filename}" if exc.filename else ""
         err.print(
-            f"[bold red]error:[/] no space left on device{escape(where)}; free space and rerun "
+            f"[bold red]error:[/] {escape(rank_label())}no space left on device{escape(where)}; free space and rerun "
             "(quantize: add --resume to continue after the last finished block)",
             soft_wrap=True,
         )

@@ -70,6 +70,23 @@ def plan(
     max_size_mb: Annotated[float | None, typer.Option(help="Size of the measured linears, in MB (10^6 bytes).")] = None,
     pin: Annotated[list[str] | None, typer.Option(help="REGEX=CANDIDATE forcing matching units (repeatable).")] = None,
     plot: Annotated[Path | None, typer.Option(help="Draw predicted error against bits per weight to this PNG.")] = None,
+    whole_model: Annotated[
+        bool,
+        typer.Option(
+            "--whole-model/--linears-only",
+            help="--max-size-mb counts the whole checkpoint (embedding, head, norms, biases, scales), not only the "
+            "measured linears.",
+        ),
+    ] = False,
+    head: Annotated[
+        str, typer.Option(help="With --whole-model: the head scheme quantize --quantize-head will write (none: float).")
+    ] = "none",
+    untied_head: Annotated[
+        bool, typer.Option(help="With --whole-model: the run unties a tied head (--rotate hadamard) and pays for it.")
+    ] = False,
+    embedding: Annotated[
+        str, typer.Option(help="With --whole-model: the embedding scheme quantize --quantize-embedding will write.")
+    ] = "none",
 ) -> None:
     """Choose a scheme per unit minimising the predicted error under a bit budget (exact)."""
     from quantkit.errors import QuantkitError
@@ -82,9 +99,27 @@ def plan(
     if (target_bits is None) == (max_size_mb is None):
         raise QuantkitError("give exactly one budget: --target-bits (e.g. 4.5) or --max-size-mb")
     loaded = load_measurement(measurement)
-    chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=[parse_pin(p) for p in pin or []])
+    outer_bits = 0
+    if whole_model or head != "none" or untied_head or embedding != "none":
+        if max_size_mb is None or not whole_model:
+            raise QuantkitError(
+                "--head, --embedding and --untied-head size a whole-model budget: give --whole-model --max-size-mb"
+            )
+        from quantkit.mixed.whole_model import outer_cost
+        from quantkit.model.resolve import resolve_model
+
+        cost = outer_cost(loaded, resolve_model(loaded.model), head, untied_head, embedding)
+        outer_bits = cost.bits
+    pins = [parse_pin(p) for p in pin or []]
+    chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=pins, outer_bits=outer_bits)
     save_plan(chosen, output)
     out.print(render_plan(chosen))
+    if outer_bits:
+        out.print(
+            f"whole model: {chosen.whole_model_mb:.2f} MB of tensors (budget {max_size_mb} MB): the plan's linears "
+            f"{chosen.size_mb:.2f} MB + {outer_bits / 8e6:.2f} MB outside them (head: {cost.head}, "
+            f"embedding: {cost.embedding})"
+        )
     uniform = [p for p in uniform_points(loaded) if p.candidate != FP16]
     if uniform:
         out.print(render_uniform_comparison(chosen, uniform))

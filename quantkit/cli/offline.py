@@ -173,7 +173,12 @@ def eval_(
 @with_job_options
 def quantize(
     model: Annotated[str, typer.Argument(help="Float model: local HF directory, hub id, or alias (smollm2-135m).")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Checkpoint directory to write.")],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output", "-o", help="Checkpoint directory to write (with --format gguf:<MIX>: the .gguf file)."
+        ),
+    ],
     calib: Annotated[
         Path | None,
         typer.Option(help="Calibration file from `quantkit calibrate` (default: shipped corpus; rtn uses none)."),
@@ -193,13 +198,27 @@ def quantize(
     plan: Annotated[Path | None, typer.Option(help="Mixed-precision plan YAML from `quantkit plan`.")] = None,
     formats: Annotated[
         list[str] | None,
-        typer.Option("--format", help="Also export: gptq (<out>-gptq/) or gguf (<out>.gguf); repeatable."),
+        typer.Option(
+            "--format",
+            help="Also export: gptq (<out>-gptq/) or gguf (<out>.gguf); repeatable. Or gguf:<MIX> alone (Q4_K_M, "
+            "Q5_K_M, Q6_K, Q3_K_M, Q2_K, ...: llama.cpp's mixes, solved on their own grids): -o names the .gguf "
+            "file, which is the checkpoint; gguf:auto with --target-bpw chooses each tensor's type.",
+        ),
+    ] = None,
+    target_bpw: Annotated[
+        float | None,
+        typer.Option(
+            help="With --format gguf:auto: bits per weight of the GGUF tensors (llama.cpp's BPW), from 2.6 to 8.5; "
+            "each tensor's K-quant type is chosen by the exact planner to least Hessian-weighted error."
+        ),
     ] = None,
     json_out: JsonOption = None,
     job_values: dict | None = None,
 ) -> None:
     """Quantize a model layer by layer into a packed compressed-tensors checkpoint; ends with the coverage audit
     (every weight's kind, asked and written scheme, bytes, summed per kind)."""
+    from quantkit.distributed.context import is_main_process, refuse_under_torchrun
+    from quantkit.errors import QuantkitError
     from quantkit.format.coverage import audit_checkpoint
     from quantkit.format.coverage_table import coverage_tables
     from quantkit.memory import map_large_allocations
@@ -209,6 +228,26 @@ def quantize(
     calibration = CalibrationConfig(
         dataset=dataset, num_samples=num_samples, seq_len=seq_len, allow_small=allow_small_calibration
     )
+    from quantkit.cli.gguf_output import gguf_mix_of, run_gguf_quantize
+
+    mix = gguf_mix_of(formats)
+    if mix is not None:
+        refuse_under_torchrun(f"--format gguf:{mix}")
+        if plan is not None:
+            raise QuantkitError("--plan holds compressed-tensors schemes; with --format gguf:auto use --target-bpw")
+        run_gguf_quantize(
+            model,
+            output,
+            mix,
+            job_values or {},
+            calibration=calibration,
+            calibration_file=calib,
+            target_bpw=target_bpw,
+            json_out=json_out,
+        )
+        return
+    if target_bpw is not None:
+        raise QuantkitError("--target-bpw applies to --format gguf:auto")
     config = config_from_options(job_values or {}, calibration=calibration, calibration_file=calib)
     if plan is not None:
         from quantkit.mixed.plan_apply import planned_schemes
@@ -227,6 +266,8 @@ def quantize(
         err.print(f"note: --calib '{calib}' holds the windows; --dataset is not used")
     map_large_allocations()  # the offline policy for this process: see quantkit/memory.py
     result = quantize_model(model, config, output)
+    if not is_main_process():  # under torchrun: rank 0 reports, audits and exports
+        return
     if result.already_complete:
         out.print(f"{output} is already complete (same model, data and options); nothing was redone", soft_wrap=True)
     out.print(_result_table(model, output, result))
@@ -241,6 +282,8 @@ def quantize(
 def _result_table(model: str, output: Path, result: Any) -> Table:
     table = Table(title=f"Quantized {model} -> {output} (on {result.device})", title_justify="left")
     columns = ["method", "scheme", "layers", "fallbacks", "seconds", "peak RSS MB", "size MB"]
+    if result.processes > 1:
+        columns.append("processes")
     if result.peak_device_mb is not None:
         columns.insert(6, "peak GPU MB")
     for column in columns:
@@ -257,6 +300,8 @@ def _result_table(model: str, output: Path, result: Any) -> Table:
     ]
     if result.peak_device_mb is not None:
         row.insert(6, f"{result.peak_device_mb:.0f}")
+    if result.processes > 1:
+        row.append(str(result.processes))
     table.add_row(*row)
     return table
 
@@ -274,7 +319,7 @@ def _export_all(checkpoint: Path, formats: list[str]) -> list:
 
 @app.command()
 def inspect(
-    checkpoint: Annotated[Path, typer.Argument(help="A quantized checkpoint directory.")],
+    checkpoint: Annotated[Path, typer.Argument(help="A quantized checkpoint directory, or a .gguf file.")],
     reference: Annotated[Path | None, typer.Option(help="The original model directory, for the size ratio.")] = None,
     json_out: JsonOption = None,
 ) -> None:
@@ -283,9 +328,15 @@ def inspect(
     asked and written scheme, fallbacks)."""
     from quantkit.format.coverage import audit_checkpoint
     from quantkit.format.coverage_table import coverage_tables
+    from quantkit.format.gguf_file import is_gguf_file, read_gguf_report, render_gguf_report
     from quantkit.format.inspect import inspect_checkpoint, render_report
     from quantkit.model.resolve import resolve_model
 
+    if is_gguf_file(checkpoint):  # per-tensor types and bytes, sums per type, whole-file bits per weight
+        gguf_report = read_gguf_report(checkpoint)
+        out.print(render_gguf_report(gguf_report))
+        write_json_option(json_out, gguf_report.to_dict())
+        return
     report = inspect_checkpoint(checkpoint, resolve_model(str(reference)) if reference else None)
     audit = audit_checkpoint(checkpoint)
     out.print(render_report(report))

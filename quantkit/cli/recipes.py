@@ -22,14 +22,24 @@ def run_(
     report: Annotated[Path | None, typer.Option(help="Report directory (default: <output>/report).")] = None,
 ) -> None:
     """Run a recipe: calibrate, quantize, evaluate, check the gates; exit 1 when a gate fails."""
+    from quantkit.distributed.context import current
     from quantkit.memory import map_large_allocations
+    from quantkit.quantization.distributed_run import release_workers, serve_jobs
     from quantkit.recipes.report import render_tables
     from quantkit.recipes.run import run_recipe
     from quantkit.recipes.schema import load_recipe
 
     loaded = load_recipe(recipe, list(set_ or []))
     map_large_allocations()  # the offline policy for this process (quantkit/memory.py), its smoke stage included
+    context = current()
+    if context is not None and not context.is_main:  # under torchrun: rank 0 runs the recipe, the others its quantize
+        serve_jobs(context)
+        return
+    if context is not None:
+        context.driving = True
     result = run_recipe(loaded, recipe_path=recipe, report_dir=report, console=out)
+    if context is not None:  # on a failure the watchdog stops them instead (they may be inside a collective)
+        release_workers(context)
     for table in render_tables(result):
         out.print(table)
     out.print(f"report: {result.report_dir}")

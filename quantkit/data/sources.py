@@ -15,6 +15,8 @@ LOCAL_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 SHIPPED_DIR = Path(__file__).resolve().parents[2] / "calibration"
 DEFAULT_CALIBRATION = SHIPPED_DIR / "austen_calibration.jsonl"
 DEFAULT_EVALUATION = SHIPPED_DIR / "austen_persuasion_eval.txt"
+# another author and era than the default calibration text: how quality holds outside the calibration domain
+OUT_OF_DOMAIN_EVALUATION = SHIPPED_DIR / "melville_mobydick_eval.txt"
 
 ChatRenderer = Callable[[list[dict[str, Any]]], str]
 

@@ -43,22 +43,28 @@ class Kind:
 
 ATTENTION, MLP, EMBEDDINGS, HEAD, OTHER = "attention", "dense MLP", "embeddings", "head", "norms/other"
 ROUTED, SHARED, ROUTER = "routed experts", "shared experts", "router"
+# a hybrid model's linear-attention layers (Qwen3.5's gated DeltaNet): the projections quantize writes, and the
+# in_proj_b / in_proj_a gates ([heads, H]: the decay and write strength) that it keeps in float like the router
+LINEAR_ATTENTION, LINEAR_GATES = "linear attention", "linear-attention gates"
 # Matched in this order, the first match wins; a module no rule matches is OTHER. Norms come before attention
 # because Qwen3's q_norm and k_norm live under self_attn. MoE kinds (routed experts under <moe>.experts.N, the
-# shared expert, the router <moe>.gate and the shared expert gate, where <moe> is mlp or block_sparse_moe) go before
-# MLP, so that the dense rule only takes what they leave.
+# shared expert, the router <moe>.gate (gpt_oss: <moe>.router) and the shared expert gate, where <moe> is mlp or
+# block_sparse_moe) go before MLP, so that the dense rule only takes what they leave.
 KINDS: tuple[Kind, ...] = (
     Kind(EMBEDDINGS, re.compile(r"(^|\.)embed_tokens$"), linears=False),
     Kind(HEAD, re.compile(r"(^|\.)lm_head$"), linears=False),
     Kind(OTHER, re.compile(r"norm[^.]*$"), linears=False),
     Kind(ATTENTION, re.compile(r"\.self_attn(\.|$)"), linears=True),
+    Kind(LINEAR_ATTENTION, re.compile(r"\.linear_attn\.(in_proj_qkv|in_proj_z|out_proj)$"), linears=True),
+    Kind(LINEAR_GATES, re.compile(r"\.linear_attn\.in_proj_[ab]$"), linears=False),
     Kind(ROUTED, re.compile(r"\.experts\.\d+\."), linears=True),
     Kind(SHARED, re.compile(r"\.shared_expert\."), linears=True),
     # the router and the shared expert's gate stay in float by design (quantize never plans them), like norms
-    Kind(ROUTER, re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate)$"), linears=False),
+    Kind(ROUTER, re.compile(r"\.(mlp|block_sparse_moe)\.(gate|shared_expert_gate|router)$"), linears=False),
     Kind(MLP, re.compile(r"\.mlp\."), linears=True),
 )
-KIND_ORDER = (ATTENTION, MLP, ROUTED, SHARED, ROUTER, EMBEDDINGS, HEAD, OTHER)  # how tables list them
+# how tables list them
+KIND_ORDER = (ATTENTION, LINEAR_ATTENTION, MLP, ROUTED, SHARED, ROUTER, LINEAR_GATES, EMBEDDINGS, HEAD, OTHER)
 
 
 _UNMATCHED = Kind(OTHER, re.compile(r"(?!)"), linears=False)  # a module no rule names (a rotation's, say)

@@ -26,6 +26,9 @@ two to a byte (``nvfp4/helpers.py``: "an even number of columns"). Those group s
 policy changes them (:func:`format_fixes_group`): the layer is kept in float (``--ignore``) or another preset taken.
 Block weights' rows are padded by compressed-tensors (``maybe_pad_tensor_for_block_quant``), but vLLM merges fused
 linears (:data:`~quantkit.format.float_engines.MERGED_PARTS_RULE`, :func:`merged_rows_problem`).
+
+The weights outside the blocks (a quantized head, a quantized embedding) have their rules in
+:mod:`quantkit.format.outer_engines`.
 """
 
 from __future__ import annotations

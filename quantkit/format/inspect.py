@@ -25,6 +25,9 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.format.scheme_labels import activation_format, kv_cache_format, weight_format
 from quantkit.format.sizes import format_mb, mb_number
 from quantkit.format.tensors import G_IDX, GLOBAL, INPUT_GLOBAL, INPUT_SCALE, PACKED, SCALE, SHAPE, WEIGHT, ZERO
+from quantkit.format.whole_model import PartBytes, whole_model_bytes
+
+EMBEDDING_LEAF = "embed_tokens"  # a quantized embedding (--quantize-embedding) is listed with the layers
 
 if TYPE_CHECKING:
     from rich.console import Group
@@ -75,6 +78,8 @@ class CheckpointReport:
     avg_bits_per_weight: float = 0.0  # over quantized Linears only
     model_bits_per_weight: float = 0.0  # every stored bit over the source model's parameters (embeddings included)
     untied_head_bytes: int = 0  # a head the rotation had to untie from the embedding (counted in the size)
+    tensor_bytes: int = 0  # every tensor's data bytes (the shards less their headers): the whole model's size
+    parts: list[PartBytes] = field(default_factory=list)  # tensor_bytes by what they hold (format.whole_model)
     checkpoint_bytes: int = 0  # safetensors files on disk
     dense_bf16_bytes: int = 0
     dense_from_reference: bool = False  # dense size measured from a reference checkpoint
@@ -203,7 +208,8 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
         schemes[scheme.name] = scheme
         layer = LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, ""), bits // 8)
         report.layers.append(layer)
-        shapes.append(LayerShape(prefix, scheme, n, k))
+        if not prefix.endswith(EMBEDDING_LEAF):  # a lookup, not a matmul: engines' Linear kernels do not apply
+            shapes.append(LayerShape(prefix, scheme, n, k))
         report.quantized_params += n * k
         report.quantized_bytes += layer.bytes
         quant_bits += bits
@@ -214,11 +220,18 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
     report.total_params = report.quantized_params + other
     report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0
-    head = infos.get(_rotation_untied_head(path) or "")
-    report.untied_head_bytes = 0 if head is None else head.total_bits // 8
-    source_params = report.total_params - (0 if head is None else head.numel)
-    all_bits = sum(info.total_bits for key, info in infos.items() if not key.endswith("." + SHAPE))
-    report.model_bits_per_weight = all_bits / source_params if source_params else 0.0
+    untied = _rotation_untied_head(path) or ""
+    head = infos.get(untied)
+    quantized_head = next((x for x in report.layers if f"{x.name}.weight" == untied), None)  # --quantize-head
+    report.untied_head_bytes = head.total_bits // 8 if head is not None else getattr(quantized_head, "bytes", 0)
+    head_params = head.numel if head is not None else getattr(quantized_head, "params", 0)
+    source_params = report.total_params - head_params
+    report.parts = whole_model_bytes(
+        {key: (info.total_bits // 8, info.numel) for key, info in infos.items()},
+        {x.name: x.params for x in report.layers},
+    )
+    report.tensor_bytes = sum(part.bytes for part in report.parts)
+    report.model_bits_per_weight = 8 * report.tensor_bytes / source_params if source_params else 0.0
     if reference is not None:
         report.dense_bf16_bytes = _safetensors_bytes(Path(reference))
         report.dense_from_reference = True
@@ -244,7 +257,9 @@ def render_report(report: CheckpointReport) -> Group:
     where the checkpoint loads."""
     from rich.console import Group
 
-    return Group(_layers_table(report), _groups_table(report), _engines_table(report))
+    from quantkit.format.whole_model_table import whole_model_table
+
+    return Group(_layers_table(report), _groups_table(report), whole_model_table(report), _engines_table(report))
 
 
 def _layers_table(report: CheckpointReport) -> Table:

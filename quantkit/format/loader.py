@@ -14,8 +14,10 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.kv_cache import KV_SCALES, add_kv_scale_buffers, use_fp8_cache
+from quantkit.format.quant_embedding import QuantEmbedding
 from quantkit.format.quant_linear import QuantLinear
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
+from quantkit.format.scheme import QuantScheme
 from quantkit.format.tensors import GLOBAL, INPUT_GLOBAL, INPUT_SCALE, SCALE
 
 # scales kept in their stored dtype (a KV cache's k_scale / v_scale too: the runtime reads them as stored)
@@ -34,17 +36,20 @@ def replace_linears(
     scale_dtypes: Mapping[str, torch.dtype],
     cache_weight: bool = False,
 ) -> int:
-    """Swap every targeted (not ignored) Linear for a QuantLinear on the meta device; returns the count."""
+    """Swap every targeted (not ignored) Linear for a QuantLinear and a targeted embedding for a QuantEmbedding, on the
+    meta device; returns the count."""
     count = 0
     for name, module in list(model.named_modules()):
         scheme = layout.scheme_for(name, _class_names(module))
         if scheme is None:
             continue
-        if not isinstance(module, nn.Linear):
-            if isinstance(module, nn.Embedding):
-                raise QuantkitError(f"quantization_config quantizes embedding {name!r}; quantkit loads Linear only")
-            continue  # compressed-tensors only quantizes Linear/Embedding; other matches are inert
         parent_name, _, leaf = name.rpartition(".")
+        if isinstance(module, nn.Embedding):
+            setattr(model.get_submodule(parent_name), leaf, _quant_embedding(name, module, scheme, scale_dtypes))
+            count += 1
+            continue
+        if not isinstance(module, nn.Linear):
+            continue  # compressed-tensors only quantizes Linear/Embedding; other matches are inert
         layer = QuantLinear(
             module.in_features,
             module.out_features,
@@ -57,6 +62,21 @@ def replace_linears(
         setattr(model.get_submodule(parent_name), leaf, layer)
         count += 1
     return count
+
+
+def _quant_embedding(
+    name: str, module: nn.Embedding, scheme: QuantScheme, scale_dtypes: Mapping[str, torch.dtype]
+) -> QuantEmbedding:
+    """A quantized embedding on the meta device; a subclass (Gemma's scaled embedding) is refused: its forward
+    does more than a lookup."""
+    if type(module) is not nn.Embedding:
+        raise QuantkitError(
+            f"quantization_config quantizes embedding {name!r} ({type(module).__name__}); quantkit loads quantized "
+            "plain embeddings only"
+        )
+    scale = scale_dtypes.get(f"{name}.{SCALE}", torch.bfloat16)
+    dtype = module.weight.dtype
+    return QuantEmbedding(module.num_embeddings, module.embedding_dim, scheme, scale, dtype, device="meta")
 
 
 def keeps_stored_dtype(key: str, tensor: torch.Tensor) -> bool:

@@ -32,6 +32,12 @@ Mixtral's ``intermediate_size``); its down reads I and writes H.
   below. The MXFP4 oracle's default backends keep the inputs in 16 bits even for an MXFP4-input checkpoint; the
   MXFP8 method quantizes the inputs to MXFP8 on Blackwell even for an MXFP8A16 checkpoint.
 
+gpt-oss: vLLM's gpt_oss model builds its fused-MoE layer with ``has_bias=True`` and ``activation="swigluoai"`` (the
+clamped SwiGLU), and picks the quantization method by the same ``get_moe_method``; the rules above apply unchanged
+(the expert biases stay float beside the packed weights). The hub model's hidden size 2880 is not a multiple of the
+Marlin MoE tile (128), so integer experts of gpt-oss-20b/120b are refused here (vLLM pads gpt-oss's hidden size on
+its MXFP4 path only); a per-expert integer gpt-oss checkpoint has not been loaded in vLLM by quantkit's tests.
+
 Sources (read 2026-11, vLLM main after vllm#44025): ``model_executor/layers/quantization/compressed_tensors/``
 ``compressed_tensors_moe/compressed_tensors_moe.py`` (``get_moe_method``) and the method files beside it
 (``..._wna16_marlin.py``, ``..._wna16.py``, ``..._humming.py``, ``..._w8a8_fp8.py``, ``..._w8a8_int8.py``,

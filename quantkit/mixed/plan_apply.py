@@ -17,7 +17,7 @@ def schemes_from_plan(path: Path, arch: ArchSpec, num_layers: int) -> dict[str, 
     fused = [
         [f"{arch.layers_path}.{i}.{linear}" for linear in group]
         for i in range(num_layers)
-        for group in arch.fused_groups
+        for group in arch.for_layer(i).fused_groups  # a hybrid model's layers differ
     ]
     rules = load_plan(path, known_modules=names, fused_groups=fused)
     schemes: dict[str, QuantScheme | None] = dict.fromkeys(names)

@@ -4,8 +4,9 @@ This is a multiple-choice knapsack (MCKP), solved exactly by :func:`quantkit.mix
 
 Budgets: ``target_bits`` is the average bits per weight over the measured units' params (budget =
 floor(target_bits * params) bits); ``max_size_mb`` caps the measured units' storage at N megabytes with
-1 MB = 1e6 bytes = 8e6 bits. Both may be given (the tighter one applies). Sizes cover only the measured
-Linears' weight tensors as ``quantkit inspect`` counts them (embeddings, norms, biases excluded).
+1 MB = 1e6 bytes = 8e6 bits. Both may be given (the tighter one applies). Sizes cover the measured Linears' weight
+tensors as ``quantkit inspect`` counts them; a whole-model budget (``outer_bits``, :mod:`quantkit.mixed.whole_model`)
+also counts the embedding, the head, the norms and the biases against ``max_size_mb``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class Plan:
     max_size_mb: float | None = None
     pins: list[tuple[str, str]] = field(default_factory=list)
     search_states: int = 0  # most partial plans the exact search kept after any unit (0: no search was needed)
+    outer_bits: int = 0  # a whole-model budget's bits outside the measured linears (0: the linears alone)
+
+    @property
+    def whole_model_mb(self) -> float:
+        """The checkpoint's tensors in MB: the measured linears plus ``outer_bits``."""
+        return (self.total_bits + self.outer_bits) / BITS_PER_MB
 
     @property
     def total_bits(self) -> int:
@@ -108,22 +115,32 @@ def plan(
     target_bits: float | None = None,
     max_size_mb: float | None = None,
     pins: Sequence[tuple[str, str]] = (),
+    outer_bits: int = 0,
 ) -> Plan:
-    """The least-error assignment of one measured candidate per unit whose total bits fit the budget."""
+    """The least-error assignment of one measured candidate per unit whose total bits fit the budget;
+    ``outer_bits``: what the checkpoint holds outside the measured linears (:mod:`quantkit.mixed.whole_model`),
+    taken from ``max_size_mb`` first, so that the whole checkpoint fits it."""
     measurement.validate()
-    budget = budget_bits(measurement, target_bits=target_bits, max_size_mb=max_size_mb)
+    budget = budget_bits(measurement, target_bits=target_bits, max_size_mb=max_size_mb, outer_bits=outer_bits)
     allowed, pinned = _allowed_options(measurement, pins)
     costs, errors = _cost_tables(measurement, allowed)
     lo, hi = sum(min(c) for c in costs), sum(max(c) for c in costs)
     if lo > budget:
-        raise QuantkitError(_infeasible_message(budget, lo, hi, measurement.total_params, bool(pins)))
+        message = _infeasible_message(budget, lo, hi, measurement.total_params, bool(pins))
+        if outer_bits and max_size_mb is not None:
+            message += (
+                f" (the budget counts {format_mb(outer_bits / 8)} outside the measured linears: embedding, head, norms)"
+            )
+        raise QuantkitError(message)
     choice, states = search_mckp(costs, errors, budget)
     assert choice is not None  # feasible: lo <= budget
     units = [
         UnitChoice(u.name, list(u.modules), u.params, allowed[i][j], errors[i][j], costs[i][j], pinned[i])
         for i, (u, j) in enumerate(zip(measurement.units, choice, strict=True))
     ]
-    return Plan(measurement.model, measurement.mode, units, budget, target_bits, max_size_mb, list(pins), states)
+    return Plan(
+        measurement.model, measurement.mode, units, budget, target_bits, max_size_mb, list(pins), states, outer_bits
+    )
 
 
 def reachable_bits(measurement: Measurement, pins: Sequence[tuple[str, str]] = ()) -> tuple[int, int]:
@@ -168,8 +185,15 @@ def uniform_points(measurement: Measurement) -> list[UniformPoint]:
     return sorted(points, key=lambda p: (p.bits, p.candidate))
 
 
-def budget_bits(measurement: Measurement, *, target_bits: float | None = None, max_size_mb: float | None = None) -> int:
-    """The budget in bits: floor(target_bits x params) and/or floor(max_size_mb x 8e6), the tighter one."""
+def budget_bits(
+    measurement: Measurement,
+    *,
+    target_bits: float | None = None,
+    max_size_mb: float | None = None,
+    outer_bits: int = 0,
+) -> int:
+    """The budget in bits: floor(target_bits x params) and/or floor(max_size_mb x 8e6) - outer_bits, the tighter
+    one (``outer_bits``: a whole-model budget's bits outside the measured linears)."""
     if target_bits is None and max_size_mb is None:
         raise QuantkitError("no budget given; pass target_bits (e.g. 4.5 bits per weight) or max_size_mb")
     budgets = []
@@ -181,7 +205,8 @@ def budget_bits(measurement: Measurement, *, target_bits: float | None = None, m
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise QuantkitError(f"the {label} must be a positive number, got {value!r}")
-        budgets.append(math.floor(Fraction(str(float(value))) * scale))  # decimal value as typed, no float error
+        budget = math.floor(Fraction(str(float(value))) * scale)  # decimal value as typed, no float error
+        budgets.append(budget - outer_bits if scale == BITS_PER_MB else budget)
     return min(budgets)
 
 

@@ -124,7 +124,8 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         )
         on_cpu = device.type == "cpu"  # the spill file spares CPU memory; on a GPU activations stay on it
         for visit in visits:
-            staged = StagedBlock(visit.module, arch, runner, hidden, spill=spill if on_cpu else None)
+            layer = arch.for_layer(visit.index)  # a hybrid model's layers have their own attention stages
+            staged = StagedBlock(visit.module, layer, runner, hidden, spill=spill if on_cpu else None)
             experts = []  # an MoE block's MLP stages: one unit per layer (expert_units.py)
             for stage, hessian, _ in stage_hessians(staged):
                 assert hessian is not None

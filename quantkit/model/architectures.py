@@ -1,208 +1,44 @@
-"""Supported architectures, described as data: one table entry per family, no subclass per model.
-
-Module paths are relative to a decoder layer unless named otherwise. ``stages`` gives the order in which a
-block's linears are solved (true sequential), each stage by name: ``qkv``, then ``o``, then ``gate_up``, then
-``down``; linears inside one stage share their input and form a fused group that runtimes such as vLLM load as
-one matrix, so they must share a quantization scheme.
+"""Supported architectures, described as data: one table entry per family, no subclass per model (the entries'
+vocabulary, :class:`ArchSpec` and its parts, is in :mod:`quantkit.model.arch_spec`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from typing import Any
 
 from quantkit.errors import UnsupportedArchitectureError
+from quantkit.model.arch_spec import (
+    DOWN,
+    EXPERT_STAGE_SEPARATOR,
+    GATE_UP,
+    O_PROJ,
+    QKV,
+    ArchSpec,
+    Mixer,
+    MoESpec,
+    ScalingGroup,
+    Stage,
+)
 
+__all__ = [
+    "ARCHITECTURES",
+    "DOWN",
+    "EXPERT_STAGE_SEPARATOR",
+    "GATE_UP",
+    "O_PROJ",
+    "QKV",
+    "ArchSpec",
+    "Mixer",
+    "MoESpec",
+    "ScalingGroup",
+    "Stage",
+    "arch_for_config",
+    "arch_for_model_type",
+    "supported_model_types",
+]
 
-@dataclass(slots=True, frozen=True)
-class ScalingGroup:
-    """AWQ: ``prev``'s output scales are folded into ``linears``' input columns."""
-
-    prev: str
-    linears: tuple[str, ...]
-
-
-@dataclass(slots=True, frozen=True)
-class Stage:
-    """Linears that read the same input, solved together: ``qkv``, ``o``, ``gate_up`` or ``down``."""
-
-    name: str
-    linears: tuple[str, ...]
-
-    @property
-    def head(self) -> str:
-        """The stage's first linear (its input is the stage's input)."""
-        return self.linears[0]
-
-
-QKV, O_PROJ, GATE_UP, DOWN = "qkv", "o", "gate_up", "down"  # stage names
-# a mixture-of-experts block's down_proj stages, one per expert (each reads its own expert's activations):
-# "down.shared" for the shared expert, "down.<e>" for routed expert e; with routed calibration, "gate_up.<e>"
-EXPERT_STAGE_SEPARATOR = "."
-
-
-@dataclass(slots=True, frozen=True)
-class MoESpec:
-    """A sparse MLP: a router (kept in float) sends each token to its top-k routed experts; an optional shared
-    expert (a dense MLP, with an optional sigmoid gate) runs on every token. Paths are relative to the MoE module,
-    whose own path (``ArchSpec.mlp_path``) is the one checkpoints store, per expert, as llm-compressor, vLLM and
-    transformers' ``save_pretrained`` name them (``experts.<e>.<gate|up|down>``); transformers 5 fuses the experts
-    into 3-D parameters in memory, quantkit unfuses them (:mod:`quantkit.model.moe`)."""
-
-    router: str = "gate"
-    experts: str = "experts"
-    expert_linears: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # gate, up, down (Mixtral: w1/w3/w2)
-    shared_expert: str | None = None  # Qwen2-MoE: "shared_expert"
-    shared_expert_gate: str | None = None  # Qwen2-MoE: "shared_expert_gate", a [1, H] linear kept in float
-    hf_path: str = "mlp"  # where transformers' decoder layer holds the MoE module (Mixtral stores it elsewhere)
-    # transformers 5 maps num_experts onto num_local_experts (its attribute map), hub configs may hold either
-    num_experts_keys: tuple[str, ...] = ("num_experts", "num_local_experts")
-    top_k_key: str = "num_experts_per_tok"
-    expert_size_key: str = "moe_intermediate_size"  # config.json key of a routed expert's intermediate size
-    # whether the top-k routing weights are renormalised to sum to one: a config.json key (Qwen's norm_topk_prob),
-    # or None where the family's router always renormalises (Mixtral)
-    renormalize_key: str | None = "norm_topk_prob"
-    float_routing_weights: bool = False  # Mixtral's router keeps the weights in fp32 to scale expert outputs
-
-
-@dataclass(slots=True, frozen=True)
-class ArchSpec:
-    family: str
-    model_types: tuple[str, ...]
-    layers_path: str = "model.layers"
-    embed_path: str = "model.embed_tokens"
-    final_norm_path: str = "model.norm"
-    lm_head_path: str = "lm_head"
-    rotary_path: str = "model.rotary_emb"
-    attn_path: str = "self_attn"  # relative to a decoder layer; ends in o_proj
-    mlp_path: str = "mlp"  # ends in down_proj
-    stages: tuple[Stage, ...] = (
-        Stage(QKV, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        Stage(O_PROJ, ("self_attn.o_proj",)),
-        Stage(GATE_UP, ("mlp.gate_proj", "mlp.up_proj")),
-        Stage(DOWN, ("mlp.down_proj",)),
-    )
-    norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
-    qkv_bias: bool = False  # q/k/v always carry a bias (else only where config.json's attention_bias says so)
-    qk_norm: bool = False  # RMSNorm on each head's queries and keys before RoPE (Qwen3)
-    norm_offset: float = 0.0  # RMSNorms multiply by (norm_offset + weight): Gemma stores weights around zero
-    partial_rotary: bool = False  # config's partial_rotary_factor may rotate part of each head (Phi-3, Phi-4-mini)
-    # Gemma's sandwich norms: (after attention, after the MLP), each applied to its sub-block's output before the
-    # residual add; norms[1] is then the pre-MLP norm (the one the MLP's linears read)
-    sandwich_norms: tuple[str, str] | None = None
-    sliding_window_by_default: bool = False  # config.json's sliding_window applies unless use_sliding_window is false
-    # config.json's layer_types pick each layer's attention (Gemma 3): "sliding_attention" layers attend to the last
-    # sliding_window keys under rope_parameters["sliding_attention"], "full_attention" layers to every key under
-    # rope_parameters["full_attention"] (omitted keys take transformers' config-class defaults)
-    layer_types: bool = False
-    embed_scale: bool = False  # token embeddings multiplied by sqrt(hidden_size), in the weights' dtype (Gemma)
-    activation_key: str = "hidden_act"  # config.json key of the MLP's activation (Gemma: hidden_activation)
-    # config.json's attn_logit_softcapping caps attention scores (Gemma 2); transformers' Gemma 3 reads the key but
-    # never applies it (its final_logit_softcapping it does apply: every family's, when set)
-    attn_softcapping: bool = False
-    gguf_arch: str | None = "llama"  # llama.cpp's name (gguf.MODEL_ARCH member, lower case); None: no GGUF export
-    moe: MoESpec | None = None  # a sparse MLP (stages and groups expanded per expert by :meth:`for_config`)
-    num_experts: int = 0  # set by :meth:`for_config` for an MoE family
-    float_linears: tuple[str, ...] = ()  # linears never quantized (the router): written in float, listed as ignored
-    awq_groups: tuple[ScalingGroup, ...] = (
-        ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-        ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),  # only when the shapes allow it (no GQA)
-        ScalingGroup("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
-        ScalingGroup("mlp.up_proj", ("mlp.down_proj",)),
-    )
-
-    @property
-    def linears(self) -> tuple[str, ...]:
-        return tuple(name for stage in self.stages for name in stage.linears)
-
-    @property
-    def fused_groups(self) -> tuple[tuple[str, ...], ...]:
-        """Linears that must share one scheme: each dense stage's (engines load q/k/v and gate/up as one matrix);
-        in an MoE block, the shared expert's gate/up and all routed experts of the layer together (vLLM's fused-MoE
-        layer holds every expert's gate, up and down under one quantization method)."""
-        if self.moe is None:
-            return tuple(stage.linears for stage in self.stages if len(stage.linears) > 1)
-        dense = tuple(stage.linears for stage in self.stages if len(stage.linears) > 1 and stage.name != GATE_UP)
-        groups = [*dense, self.routed_expert_linears()]
-        shared = self.shared_expert_linears()
-        return (*groups, shared[:2]) if shared else tuple(groups)
-
-    def routed_expert_linears(self, expert: int | None = None) -> tuple[str, ...]:
-        """Every routed expert's gate, up and down (or one expert's), relative to a decoder layer."""
-        assert self.moe is not None
-        experts = range(self.num_experts) if expert is None else (expert,)
-        base = f"{self.mlp_path}.{self.moe.experts}"
-        return tuple(f"{base}.{e}.{leaf}" for e in experts for leaf in self.moe.expert_linears)
-
-    def shared_expert_linears(self) -> tuple[str, ...]:
-        """The shared expert's gate, up and down (empty without one)."""
-        if self.moe is None or self.moe.shared_expert is None:
-            return ()
-        base = f"{self.mlp_path}.{self.moe.shared_expert}"
-        return tuple(f"{base}.{leaf}" for leaf in ("gate_proj", "up_proj", "down_proj"))
-
-    def for_config(self, config: Mapping[str, Any]) -> ArchSpec:
-        """This family as the model ``config`` (config.json) builds it: an MoE family's stages, groups and float
-        linears expanded per expert; a dense family as it is."""
-        if self.moe is None:
-            return self
-        moe = self.moe
-        sparse_step = int(config.get("decoder_sparse_step", 1) or 1)
-        if config.get("mlp_only_layers") or sparse_step != 1:
-            raise UnsupportedArchitectureError(
-                f"{self.family}: models that mix dense and sparse MLP layers (mlp_only_layers, decoder_sparse_step "
-                "!= 1) are not supported; quantkit quantizes models whose every layer is a mixture of experts"
-            )
-        experts = next((int(config[key]) for key in moe.num_experts_keys if config.get(key)), 0)
-        if experts < 1:
-            raise UnsupportedArchitectureError(f"{self.family}: config.json gives no {moe.num_experts_keys[0]}")
-        spec = replace(self, num_experts=experts)
-        gate, up, down = moe.expert_linears
-        base = f"{self.mlp_path}.{moe.experts}"
-        shared = spec.shared_expert_linears()
-        gate_up = (*shared[:2], *(f"{base}.{e}.{leaf}" for e in range(experts) for leaf in (gate, up)))
-        downs = ((Stage(f"{DOWN}.shared", shared[2:]),) if shared else ()) + tuple(
-            Stage(f"{DOWN}.{e}", (f"{base}.{e}.{down}",)) for e in range(experts)
-        )
-        stages = (self.stage(QKV), self.stage(O_PROJ), Stage(GATE_UP, gate_up), *downs)
-        floats = (f"{self.mlp_path}.{moe.router}",)
-        if moe.shared_expert_gate is not None:
-            floats += (f"{self.mlp_path}.{moe.shared_expert_gate}",)
-        awq = (
-            *self.awq_groups[:2],  # q/k/v behind input_layernorm, o_proj behind v_proj
-            # the router reads the same normalised input: its columns take the same scales (it stays in float)
-            ScalingGroup(self.norms[1], (*gate_up, *floats)),
-            *(ScalingGroup(f"{base}.{e}.{up}", (f"{base}.{e}.{down}",)) for e in range(experts)),
-            *((ScalingGroup(shared[1], (shared[2],)),) if shared else ()),
-        )
-        return replace(spec, stages=stages, float_linears=floats, awq_groups=awq)
-
-    def routed_stages(self) -> tuple[Stage, ...]:
-        """The MoE stages for routed calibration: each expert's gate/up solved on the tokens routed to it (its own
-        Hessian), the shared expert's on every token."""
-        assert self.moe is not None
-        shared = self.shared_expert_linears()
-        gate, up, _ = self.moe.expert_linears
-        base = f"{self.mlp_path}.{self.moe.experts}"
-        per_expert = tuple(
-            Stage(f"{GATE_UP}.{e}", (f"{base}.{e}.{gate}", f"{base}.{e}.{up}")) for e in range(self.num_experts)
-        )
-        head = (self.stage(QKV), self.stage(O_PROJ))
-        shared_stage = (Stage(GATE_UP, shared[:2]),) if shared else ()
-        downs = tuple(s for s in self.stages if s.name.startswith(f"{DOWN}."))
-        return (*head, *shared_stage, *per_expert, *downs)
-
-    def stage(self, name: str) -> Stage:
-        return next(stage for stage in self.stages if stage.name == name)
-
-    def stage_of(self, linear: str) -> Stage:
-        """The stage a linear (path relative to a decoder layer) belongs to."""
-        for stage in self.stages:
-            if linear in stage.linears:
-                return stage
-        raise UnsupportedArchitectureError(f"linear {linear!r} is in no stage of the {self.family} architecture")
-
+_DELTANET_INPUTS = tuple(f"linear_attn.in_proj_{p}" for p in ("qkv", "z", "b", "a"))  # each reads the layer's input
 
 ARCHITECTURES: tuple[ArchSpec, ...] = (
     ArchSpec(family="llama", model_types=("llama",)),
@@ -287,7 +123,74 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
         gguf_arch=None,
         moe=MoESpec(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
     ),
+    # Qwen3.5-MoE's text decoder (model type qwen3_5_moe_text; the multimodal qwen3_5_moe checkpoint is refused,
+    # naming the fix: _TEXT_MODEL_OF): 3 of 4 layers gated DeltaNet, the others full attention whose q_proj also
+    # emits a sigmoid output gate.
+    # vLLM (layers/mamba/gdn_linear_attn.py, models/qwen3_5.py) loads in_proj_qkv + in_proj_z as one in_proj_qkvz and
+    # in_proj_b + in_proj_a as one in_proj_ba, each fused pair under one scheme. quantkit quantizes qkv/z and out_proj
+    # (as llm-compressor's Qwen3-Next AWQ example does) and keeps in_proj_b/in_proj_a in float: [heads, H] projections
+    # feeding the decay and the write strength, like the router (vLLM: "ba_proj doesn't support blockwise fp8").
+    # llm-compressor's Qwen3.5 examples keep every linear_attn linear in float: --ignore 'linear_attn\.' does that.
+    ArchSpec(
+        family="qwen3_5_moe",
+        model_types=("qwen3_5_moe_text",),
+        norms=("input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm"),
+        qk_norm=True,
+        norm_offset=1.0,
+        partial_rotary=True,
+        gguf_arch=None,
+        moe=MoESpec(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
+        mixers=(
+            Mixer(
+                "full_attention",
+                "self_attn",
+                (
+                    Stage(QKV, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                    Stage(O_PROJ, ("self_attn.o_proj",)),
+                ),
+                (
+                    ScalingGroup("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+                    ScalingGroup("self_attn.v_proj", ("self_attn.o_proj",)),  # only without GQA
+                ),
+                norms=("self_attn.q_norm", "self_attn.k_norm"),
+            ),
+            Mixer(
+                "linear_attention",
+                "linear_attn",
+                (
+                    Stage(QKV, ("linear_attn.in_proj_qkv", "linear_attn.in_proj_z")),
+                    Stage(O_PROJ, ("linear_attn.out_proj",)),
+                ),
+                # out_proj reads a per-head gated RMSNorm of the delta rule's output: no scale folds into it
+                (ScalingGroup("input_layernorm", _DELTANET_INPUTS),),
+                float_linears=_DELTANET_INPUTS[2:],
+            ),
+        ),
+    ),
+    ArchSpec(
+        family="gpt_oss",
+        model_types=("gpt_oss",),
+        qkv_bias=True,  # q/k/v and o_proj carry biases (config.json attention_bias, true for gpt-oss)
+        layer_types=True,  # sliding_attention / full_attention layers, alternating
+        explicit_causal_mask=True,  # eager attention with sinks: no mask means no causal mask
+        attention_sinks=True,
+        gguf_arch=None,
+        moe=MoESpec(
+            router="router",
+            expert_size_key="intermediate_size",
+            renormalize_key=None,  # softmax over the top-k logits: the weights sum to one
+            fused_layout="interleaved",
+            expert_bias=True,
+            expert_activation="clamped_swiglu",
+            returns_router_scores=True,
+            topk_then_softmax=True,
+        ),
+    ),
 )
+
+
+# multimodal model types whose text decoder is supported under its own model type
+_TEXT_MODEL_OF = {"qwen3_5_moe": "qwen3_5_moe_text"}
 
 
 def supported_model_types() -> list[str]:
@@ -303,6 +206,12 @@ def arch_for_model_type(model_type: str) -> ArchSpec:
     for spec in ARCHITECTURES:
         if model_type in spec.model_types:
             return spec
+    if model_type in _TEXT_MODEL_OF:  # transformers' AutoModelForCausalLM loads the text model alone, and saves it
+        raise UnsupportedArchitectureError(
+            f"'{model_type}' (a multimodal checkpoint, vision tower included) is not supported; quantkit quantizes "
+            f"its text model, model type {_TEXT_MODEL_OF[model_type]}: save it with transformers' "
+            "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(text_dir) and quantize text_dir"
+        )
     raise UnsupportedArchitectureError(
         f"architecture '{model_type}' is not supported; supported model types: {', '.join(supported_model_types())}"
     )

@@ -42,6 +42,8 @@ class BlockRunner:
     batch_size: int = 8
     by_layer_type: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     attn_path: str = "self_attn"
+    causal_mask: bool = False  # pass a causal mask to every layer (ArchSpec.explicit_causal_mask: gpt_oss)
+    mixer_paths: tuple[str, ...] = ()  # a hybrid model's token mixers (ArchSpec.mixers): each layer holds one of them
 
     @classmethod
     def for_model(
@@ -60,14 +62,18 @@ class BlockRunner:
         layer_types = tuple(getattr(rotary, "layer_types", None) or ())  # one table per type (Gemma 3)
         by_type = {name: table(name) for name in layer_types}
         default = by_type[layer_types[0]] if layer_types else table()
-        return cls(default, batch_size, by_type, arch.attn_path)
+        mixers = tuple(mixer.attn_path for mixer in arch.mixers)
+        return cls(default, batch_size, by_type, arch.attn_path, arch.explicit_causal_mask, mixers)
 
     def attention_inputs(self, block: nn.Module, seq_len: int) -> dict[str, object]:
         """``position_embeddings`` and ``attention_mask`` for ``block``'s attention on windows of ``seq_len``."""
-        attention = get_module(block, self.attn_path)
+        path = next((p for p in self.mixer_paths if hasattr(block, p)), self.attn_path)
+        attention = get_module(block, path)
         cos, sin = self.by_layer_type.get(getattr(attention, "layer_type", None) or "", self.position_embeddings)
         window = getattr(attention, "sliding_window", None)
         mask = None if not window or window >= seq_len else _banded_causal_mask(seq_len, int(window), cos.device)
+        if mask is None and self.causal_mask:
+            mask = _banded_causal_mask(seq_len, seq_len, cos.device)
         return {"attention_mask": mask, "position_embeddings": (cos[:, :seq_len], sin[:, :seq_len])}
 
     def _call_kwargs(self, block: nn.Module, seq_len: int, for_autograd: bool = False) -> dict[str, object]:

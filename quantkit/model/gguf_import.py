@@ -67,9 +67,15 @@ CONVERSION_STEPS = 4  # tokenizer read, weights dequantized, weights written, to
 
 
 def convert_gguf(
-    source: Path, target: Path, *, description: str = "Converting GGUF", show_progress: bool = True
+    source: Path,
+    target: Path,
+    *,
+    description: str = "Converting GGUF",
+    show_progress: bool = True,
+    dtype: str = "bfloat16",
 ) -> float:
-    """Dequantize a GGUF file into bf16 safetensors plus tokenizer at ``target``; returns seconds taken.
+    """Dequantize a GGUF file into safetensors (``dtype``: bfloat16 for the shipped aliases, float32 to keep a
+    quantized file's decoded weights exact) plus tokenizer at ``target``; returns seconds taken.
 
     Written under a temporary name and renamed when complete, so an interrupted conversion leaves nothing
     under ``target``. Progress: :data:`CONVERSION_STEPS` steps under ``description``.
@@ -88,7 +94,7 @@ def convert_gguf(
             tokenizer = AutoTokenizer.from_pretrained(source.parent, **kwargs)
             bar.advance(task)
             model = AutoModelForCausalLM.from_pretrained(
-                source.parent, quantization_config=GgufConfig(dequantize=True), dtype=torch.bfloat16, **kwargs
+                source.parent, quantization_config=GgufConfig(dequantize=True), dtype=getattr(torch, dtype), **kwargs
             )
             bar.advance(task)
             model.config.quantization_config = None
@@ -105,3 +111,24 @@ def convert_gguf(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return time.perf_counter() - start
+
+
+def gguf_file_dir(path: Path) -> Path:
+    """The cached float32 HF directory of the GGUF file at ``path`` (a quantized model to evaluate), keyed by the
+    file's SHA-256, converted on first use: the decoded weights exactly as llama.cpp's dequantizer gives them."""
+    import hashlib
+
+    path = Path(path)
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 24), b""):
+            digest.update(chunk)
+    target = cache_dir() / "gguf" / f"{path.stem}-{digest.hexdigest()[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    console.print(f"{path.name}: decoding into {target} (first use only)", markup=False, soft_wrap=True)
+    try:
+        convert_gguf(path.resolve(), target, description=f"Decoding {path.name}", dtype="float32")
+    except (ValueError, KeyError, OSError) as exc:
+        raise QuantkitError(f"{path}: transformers cannot read this GGUF file ({exc})") from exc
+    return target

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from quantkit.model import gpt_oss
 from quantkit.model.architectures import ArchSpec, MoESpec
 from quantkit.model.blocks import get_module
 
@@ -25,12 +26,20 @@ class ExpertMLP(nn.Module):
     """One expert: ``down(act(gate(x)) * up(x))``, its linears named as the family's checkpoints name them."""
 
     def __init__(
-        self, names: tuple[str, str, str], hidden: int, intermediate: int, act: Callable, like: torch.Tensor
+        self,
+        names: tuple[str, str, str],
+        hidden: int,
+        intermediate: int,
+        act: Callable,
+        like: torch.Tensor,
+        bias: bool = False,
+        gated: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.names = names
         self.act_fn = act
-        shape_kw = {"bias": False, "device": like.device, "dtype": like.dtype}
+        self.gated = gated  # down_proj's input from gate's and up's outputs (None: act(gate) * up)
+        shape_kw = {"bias": bias, "device": like.device, "dtype": like.dtype}
         gate, up, down = names
         setattr(self, gate, nn.Linear(hidden, intermediate, **shape_kw))
         setattr(self, up, nn.Linear(hidden, intermediate, **shape_kw))
@@ -42,8 +51,10 @@ class ExpertMLP(nn.Module):
         return gate, up, down
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
-        """down_proj's input: ``act(gate(x)) * up(x)``."""
+        """down_proj's input: ``act(gate(x)) * up(x)`` (gpt_oss: its clamped SwiGLU)."""
         gate, up, _ = self.projections
+        if self.gated is not None:
+            return self.gated(gate(x), up(x))
         return self.act_fn(gate(x)) * up(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,14 +68,37 @@ class UnfusedMoE(nn.Module):
         super().__init__()
         self.spec = spec
         fused = original.experts
-        gate_up, down = fused.gate_up_proj, fused.down_proj  # [E, 2I, H], [E, H, I]
-        num, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+        gate_up, down = fused.gate_up_proj, fused.down_proj  # [E, 2I, H], [E, H, I] (gpt_oss: [E, H, 2I], [E, I, H])
+        interleaved = spec.fused_layout == gpt_oss.INTERLEAVED
+        num, hidden, inter = (
+            gate_up.shape[0],
+            gate_up.shape[1 if interleaved else 2],
+            down.shape[1 if interleaved else 2],
+        )
         setattr(self, spec.router, getattr(original, spec.router))  # transformers' router, under the same name
+        gated = None
+        if spec.expert_activation == gpt_oss.CLAMPED_SWIGLU:
+            alpha, limit = float(fused.alpha), float(fused.limit)
+
+            def gated(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+                return gpt_oss.clamped_swiglu(g, u, alpha, limit)
+
+        act = getattr(fused, "act_fn", None)
         experts = nn.ModuleList(
-            ExpertMLP(spec.expert_linears, hidden, inter, fused.act_fn, gate_up) for _ in range(num)
+            ExpertMLP(spec.expert_linears, hidden, inter, act, gate_up, spec.expert_bias, gated) for _ in range(num)
         )
         setattr(self, spec.experts, experts)
-        if not gate_up.is_meta:  # a loaded model: the fused tensors split into each expert's linears
+        if interleaved and not gate_up.is_meta:
+            tensors = {
+                name: getattr(fused, name)
+                for name in (gpt_oss.GATE_UP, gpt_oss.GATE_UP_BIAS, gpt_oss.DOWN, gpt_oss.DOWN_BIAS)
+            }
+            with torch.no_grad():
+                for e, expert in enumerate(experts):
+                    for linear, leaf in zip(expert.projections, ("gate_proj", "up_proj", "down_proj"), strict=True):
+                        linear.weight.copy_(gpt_oss.expert_part(tensors, e, leaf, "weight"))
+                        linear.bias.copy_(gpt_oss.expert_part(tensors, e, leaf, "bias"))
+        elif not gate_up.is_meta:  # a loaded model: the fused tensors split into each expert's linears
             with torch.no_grad():
                 for e, expert in enumerate(experts):
                     g, u, d = expert.projections
@@ -97,7 +131,7 @@ class UnfusedMoE(nn.Module):
             out = functional.sigmoid(getattr(self, self.spec.shared_expert_gate)(flat)) * out
         return out
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, None]:
         shape = hidden.shape
         flat = hidden.reshape(-1, shape[-1])
         weights, chosen = self.route(flat)
@@ -109,7 +143,8 @@ class UnfusedMoE(nn.Module):
         shared = self.shared(flat)
         if shared is not None:
             out = out + shared
-        return out.reshape(shape)
+        # gpt_oss's decoder layer unpacks (hidden, router scores); nothing quantkit runs reads the scores
+        return (out.reshape(shape), None) if self.spec.returns_router_scores else out.reshape(shape)
 
     def routed_counts(self, flat: torch.Tensor) -> torch.Tensor:
         """How many of the tokens ``flat`` [N, H] each expert receives (int64 [E])."""

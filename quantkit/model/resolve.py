@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from quantkit.errors import QuantkitError
 from quantkit.model.architectures import ArchSpec, arch_for_config, arch_for_model_type
-from quantkit.model.gguf_import import ALIASES, ensure_alias
+from quantkit.model.gguf_import import ALIASES, ensure_alias, gguf_file_dir
 
 if TYPE_CHECKING:
     import torch
@@ -28,6 +28,8 @@ def resolve_model(spec: str | Path) -> Path:
         if not (path / "config.json").is_file():
             raise QuantkitError(f"'{path}' has no config.json; pass a Hugging Face model directory")
         return path
+    if path.is_file() and path.suffix == ".gguf":  # a GGUF file: its decoded weights, cached by its hash
+        return gguf_file_dir(path)
     if path.exists():
         raise QuantkitError(f"'{path}' is a file; pass the model directory that contains config.json")
     if _HUB_ID.match(text):
@@ -96,7 +98,6 @@ def load_model(
     """Load a causal LM (float or quantkit/compressed-tensors checkpoint) for evaluation, in eval mode, read on the
     CPU and moved to ``device`` (None: kept on the CPU)."""
     import torch
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -111,9 +112,22 @@ def load_model(
         # dequantize once, not per forward; experts as per-expert linears, as the checkpoint stores them
         model = load_quantized_model(path, dtype=dtype, cache_weight=True, prepare=lambda m: unfuse_experts(m, arch))
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = _load_float(path, dtype)
         unfuse_experts(model, arch)  # the same modules as a quantized checkpoint's, so both compute alike
     return model.to(device).eval() if device is not None else model.eval()
+
+
+def _load_float(path: Path, dtype: torch.dtype) -> PreTrainedModel:
+    """transformers' model of a float checkpoint; the hub's gpt-oss (MXFP4 experts) dequantized, as transformers does
+    it (exact values, in bf16) and cast to ``dtype`` with the rest, so that its experts can be unfused."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    from quantkit.model.gpt_oss import is_mxfp4
+
+    if not is_mxfp4(read_config(path)):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    config = Mxfp4Config(dequantize=True)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, quantization_config=config).to(dtype)
 
 
 def load_tokenizer(spec: str | Path) -> PreTrainedTokenizerBase:

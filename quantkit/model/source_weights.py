@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from quantkit.errors import QuantkitError
 from quantkit.format.files import shard_files
 from quantkit.format.loader import materialize_meta_buffers
 from quantkit.format.safetensors_stream import StoredTensor, stored_tensors
+from quantkit.model.architectures import ARCHITECTURES
+from quantkit.model.gpt_oss import INTERLEAVED, derived_expert_names, derived_shape, expert_part, fused_leaves
 
 
 class SourceWeights:
@@ -34,6 +37,12 @@ class SourceWeights:
         for f in self.files:
             self._stored.update(stored_tensors(f))
         self._where: dict[str, Path] = {name: t.path for name, t in self._stored.items()}
+        # per-expert tensors of a family whose files hold fused experts (gpt_oss), derived from them when read
+        self._shapes = {name: t.shape for name, t in self._stored.items()}
+        self._derived = _derived_experts(path, self._shapes)
+        owners = {owner for owner, *_ in self._derived.values()}
+        self._fused_leaves = {owner: fused_leaves(owner, self._stored) for owner in owners}
+        self._fused = {f"{owner}.{leaf}" for owner, leaves in self._fused_leaves.items() for leaf in leaves}
 
     def __enter__(self) -> SourceWeights:
         return self
@@ -42,16 +51,23 @@ class SourceWeights:
         return None
 
     def names(self) -> list[str]:
-        return list(self._where)
+        """Every tensor by the name the model reads it under (per-expert names in place of fused experts)."""
+        return [name for name in self._where if name not in self._fused] + list(self._derived)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._derived
 
     def get(self, name: str) -> torch.Tensor:
         return self.get_many([name])[name]
 
     def get_many(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Several tensors, opening each shard involved once."""
+        derived = [n for n in names if n in self._derived]
+        if derived:
+            return self._read([n for n in names if n not in self._derived]) | self._derive(derived)
+        return self._read(names)
+
+    def _read(self, names: list[str]) -> dict[str, torch.Tensor]:
         missing = [n for n in names if n not in self._where]
         if missing:
             raise QuantkitError(f"tensor '{missing[0]}' is missing from the checkpoint at {self.path}")
@@ -63,6 +79,18 @@ class SourceWeights:
             with safe_open(str(f), framework="pt") as handle:
                 for name in wanted:
                     out[name] = handle.get_tensor(name).clone()  # own the memory: the mapping closes now
+        return out
+
+    def _derive(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Per-expert tensors cut from their layer's fused ones (decoded from MXFP4), each layer's read once."""
+        out: dict[str, torch.Tensor] = {}
+        for owner in dict.fromkeys(self._derived[n][0] for n in names):
+            fused = self._read([f"{owner}.{leaf}" for leaf in self._fused_leaves[owner]])
+            fused = {name.rpartition(".")[2]: tensor for name, tensor in fused.items()}
+            for name in names:
+                layer, expert, leaf, part = self._derived[name]
+                if layer == owner:
+                    out[name] = expert_part(fused, expert, leaf, part).contiguous()
         return out
 
     def stored(self, name: str) -> StoredTensor:
@@ -83,10 +111,16 @@ class SourceWeights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape, from its shard's header (no data is read)."""
+        if name in self._derived:
+            owner, _, leaf, part = self._derived[name]
+            return derived_shape(self._shapes, owner, leaf, part)
         return self.stored(name).shape
 
     def stored_bytes(self, name: str) -> int:
-        """A tensor's size on disk, from its shard's header."""
+        """A tensor's size on disk, from its shard's header (a derived tensor: its size in its biases' dtype)."""
+        if name in self._derived:
+            bias = self.stored(f"{self._derived[name][0]}.gate_up_proj_bias")
+            return math.prod(self.shape(name)) * bias.nbytes // max(1, math.prod(bias.shape))
         return self.stored(name).nbytes
 
     def in_features(self, linears: list[str]) -> dict[str, int]:
@@ -111,6 +145,18 @@ class SourceWeights:
 
 _HASH_CHUNK = 16 << 20
 _FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _derived_experts(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int, str, str]]:
+    """The per-expert tensors a source's fused experts stand for, where its family stores them fused (gpt_oss, float or
+    MXFP4: :mod:`quantkit.model.gpt_oss`)."""
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text()) if config_file.is_file() else {}
+    model_type = config.get("model_type")
+    spec = next((a for a in ARCHITECTURES if model_type in a.model_types), None)
+    if spec is None or spec.moe is None or spec.moe.fused_layout != INTERLEAVED:
+        return {}
+    return derived_expert_names(shapes)
 
 
 def shard_digest(path: Path) -> str:

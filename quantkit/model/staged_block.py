@@ -136,7 +136,9 @@ class StagedBlock:
         with torch.inference_mode():
             for rows in self.batches():
                 h2 = out[rows].float()
-                out[rows] = (h2 + self.mlp_out_norm(self.mlp(self.norm2(h2)))).to(out.dtype)
+                mlp = self.mlp(self.norm2(h2))
+                mlp = mlp[0] if isinstance(mlp, tuple) else mlp  # gpt_oss's MLP returns (hidden, router scores)
+                out[rows] = (h2 + self.mlp_out_norm(mlp)).to(out.dtype)
         return out
 
     @property

@@ -43,28 +43,35 @@ class SchemeAssignment:
     def quantized(self) -> list[str]:
         return [name for name, s in self.schemes.items() if s is not None]
 
-    def quantization_config(self, float_modules: Sequence[str] = (), **extra: Any) -> dict:
+    def quantization_config(
+        self, float_modules: Sequence[str] = (), outer: Mapping[str, QuantScheme] | None = None, **extra: Any
+    ) -> dict:
         """compressed-tensors config groups: ``Linear`` for a uniform scheme, exact names when mixed;
         ``float_modules``: linears outside the assignment that stay in float (an MoE router), listed as ignored so
-        that a ``Linear`` target does not reach them; ``extra``: the rest of :func:`build_quantization_config`'s
-        arguments (the KV cache scheme, the activation observer)."""
+        that a ``Linear`` target does not reach them; ``outer``: modules outside the blocks written quantized (a
+        quantized ``lm_head``), each in a group of its own under its exact name (an exact name wins over ``Linear``
+        in compressed-tensors and vLLM), and no longer ignored; ``extra``: the rest of
+        :func:`build_quantization_config`'s arguments (the KV cache scheme, the activation observer)."""
         distinct = list(dict.fromkeys(s for s in self.schemes.values() if s is not None))
         if not distinct:
             raise QuantkitError("every linear is ignored: nothing would be quantized; loosen --ignore")
-        ignore = ["lm_head", *(name for name, s in self.schemes.items() if s is None), *float_modules]
+        outer = dict(outer or {})
+        head = [] if "lm_head" in outer else ["lm_head"]
+        outer_groups = [(scheme, [name]) for name, scheme in outer.items()]
+        ignore = [*head, *(name for name, s in self.schemes.items() if s is None), *float_modules]
         if len(distinct) == 1:
-            return build_quantization_config([(distinct[0], ["Linear"])], ignore, **extra)
+            return build_quantization_config([(distinct[0], ["Linear"]), *outer_groups], ignore, **extra)
         groups = [(scheme, [n for n, s in self.schemes.items() if s == scheme]) for scheme in distinct]
-        return build_quantization_config(groups, ["lm_head"], **extra)
+        return build_quantization_config([*groups, *outer_groups], head, **extra)
 
 
 def block_linears(arch: ArchSpec, num_layers: int) -> list[str]:
-    return [f"{arch.layers_path}.{i}.{linear}" for i in range(num_layers) for linear in arch.linears]
+    return [f"{arch.layers_path}.{i}.{linear}" for i in range(num_layers) for linear in arch.for_layer(i).linears]
 
 
 def float_modules(arch: ArchSpec, num_layers: int) -> list[str]:
     """The linears every run keeps in float (an MoE router and shared-expert gate), by full name."""
-    return [f"{arch.layers_path}.{i}.{linear}" for i in range(num_layers) for linear in arch.float_linears]
+    return [f"{arch.layers_path}.{i}.{name}" for i in range(num_layers) for name in arch.for_layer(i).float_linears]
 
 
 def uniform_assignment(arch: ArchSpec, num_layers: int, scheme: QuantScheme, ignore: list[str]) -> SchemeAssignment:
@@ -79,7 +86,7 @@ def uniform_assignment(arch: ArchSpec, num_layers: int, scheme: QuantScheme, ign
 def _check_fused(arch: ArchSpec, num_layers: int, schemes: dict[str, QuantScheme | None]) -> None:
     """Linears that runtimes fuse (q/k/v, gate/up) must share a scheme."""
     for i in range(num_layers):
-        for group in arch.fused_groups:
+        for group in arch.for_layer(i).fused_groups:  # a hybrid model's layers differ (ArchSpec.for_layer)
             names = [f"{arch.layers_path}.{i}.{linear}" for linear in group]
             if len({schemes[n] for n in names}) > 1:
                 raise QuantkitError(

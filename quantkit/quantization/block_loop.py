@@ -3,12 +3,13 @@
 :func:`walk_blocks` visits the blocks of a skeleton model in order, each loaded from the source shards before the
 visit and released after it, with the freed heap returned to the OS and the progress bar advanced, so one block's
 weights are in memory at a time. :func:`stage_hessians` runs a :class:`StagedBlock` stage by stage and yields each
-stage with the Hessian of its inputs.
+stage with the Hessian of its inputs, summed over the mini-batches in the fixed order of
+:mod:`quantkit.distributed.reduce` (the same bits on one process or several).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
+from quantkit.distributed.reduce import CHUNK_BATCHES, BatchTree, Node, chunks_of, combine
 from quantkit.memory import release_freed_memory
 from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import embed, get_module
@@ -62,8 +64,27 @@ def walk_blocks(
             bar.advance(task)
 
 
+Partials = list[tuple[Node, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class BatchShare:
+    """Which of the run's mini-batches this process holds: ``[first, first + its own)`` of ``total`` (None: all of
+    them, one process; ``first`` starts a chunk of :mod:`quantkit.distributed.reduce`). ``finish`` (several
+    processes) turns this process's partial sums and row count into every process's partials and the total count,
+    or into None where the stage's Hessian is not needed."""
+
+    first: int = 0
+    total: int | None = None
+    finish: Callable[[Stage, Partials, int], tuple[Partials | None, int]] | None = None
+
+
 def stage_hessians(
-    staged: StagedBlock, *, with_hessian: bool = True, companions: Sequence[Companion] = ()
+    staged: StagedBlock,
+    *,
+    with_hessian: bool = True,
+    companions: Sequence[Companion] = (),
+    share: BatchShare | None = None,
 ) -> Iterator[tuple[Stage, torch.Tensor | None, list[Any]]]:
     """Run ``staged`` stage by stage, in order; yield each stage with the Hessian ``2 X^T X / n`` of its inputs
     and what each companion collected over the stage (a target algorithm's view of the float block: see
@@ -72,14 +93,31 @@ def stage_hessians(
     ``with_hessian`` False: the stages only run (for the block's output), and None is yielded. Use a stage's
     Hessian (e.g. solve and write back its weights) before asking for the next stage: the next one's inputs are
     computed from the block as it is then.
+
+    ``share``: this process's part of the mini-batches when several run the block (None: one process holds all);
+    a process that does not solve the stage gets a None Hessian.
     """
+    share = share or BatchShare()
+    local = len(list(staged.batches()))
+    batches = local if share.total is None else share.total
+    assert share.first % CHUNK_BATCHES == 0, "a process's batches start a chunk"
+    first_chunk, total = share.first // CHUNK_BATCHES, chunks_of(batches)
     for stage in staged.stages:
         k = get_module(staged.block, stage.head).in_features
-        stat = HessianStat.zeros(k, device=staged.hidden.device) if with_hessian else None
-        _accumulate(staged, stage, k, stat, companions)
+        tree = BatchTree(total, first_chunk, chunks_of(share.first + local)) if with_hessian else None
+        count = _accumulate(staged, stage, k, tree, companions, share.first, batches)
         stage_data = [companion.close_stage() for companion in companions]
-        hessian = None if stat is None else _hessian_or_unseen(staged, stage, stat, k)
-        del stat
+        hessian = None
+        if tree is not None:
+            parts: Partials | None = tree.nodes()
+            if share.finish is not None:
+                parts, count = share.finish(stage, tree.nodes(), count)
+            if parts is not None:
+                hessian = _hessian_or_unseen(staged, stage, HessianStat(combine(parts, total), count), k)
+            elif count == 0:
+                staged.unseen_stages.add(stage.name)
+            del parts
+        del tree
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         yield stage, hessian, stage_data
         del hessian, stage_data  # not held while the next stage's inputs are computed
@@ -96,25 +134,43 @@ def _hessian_or_unseen(staged: StagedBlock, stage: Stage, stat: HessianStat, k: 
 
 
 def _accumulate(
-    staged: StagedBlock, stage: Stage, k: int, stat: HessianStat | None, companions: Sequence[Companion]
-) -> None:
-    """Run a stage over every mini-batch, adding its inputs to ``stat`` and showing them to each companion beside
-    its own; the last input (it may be a view of a reused [rows, intermediate] buffer) goes out of scope on
-    return, before the solver runs.
+    staged: StagedBlock,
+    stage: Stage,
+    k: int,
+    tree: BatchTree | None,
+    companions: Sequence[Companion],
+    first: int = 0,
+    batches: int = 0,
+) -> int:
+    """Run a stage over every mini-batch (``first`` is the first one's index of all ``batches``), summing the Gram
+    matrices of each chunk's batches into one statistic and pushing it into ``tree`` when the chunk is complete, and
+    showing the inputs to each companion beside its own; returns the rows seen. The last input (it may be a view of
+    a reused [rows, intermediate] buffer) goes out of scope on return, before the solver runs.
 
     One inference-mode context spans every generator: each enters its own, and they finish in another order than
     they started, which would otherwise leave inference mode switched on after the call.
     """
+    count = 0
+    chunk: HessianStat | None = None
     with torch.inference_mode():
         own = [companion.open_stage(staged, stage, k) for companion in companions]
-        for rows, x in zip(staged.batches(), staged.stage_inputs(stage.name), strict=True):
-            if stat is not None:
-                stat.update(x)
+        for index, (rows, x) in enumerate(zip(staged.batches(), staged.stage_inputs(stage.name), strict=True)):
+            if tree is not None:
+                batch = first + index
+                if chunk is None:
+                    with torch.inference_mode(False):  # a normal tensor: the Hessian is made from it in place later
+                        chunk = HessianStat.zeros(k, device=staged.hidden.device)
+                chunk.update(x)
+                if batch % CHUNK_BATCHES == CHUNK_BATCHES - 1 or batch == batches - 1:
+                    tree.push(chunk.gram)
+                    count += chunk.count
+                    chunk = None
             for companion, inputs in zip(companions, own, strict=True):
                 companion.observe(staged, stage, rows, x, next(inputs))
         for inputs in own:
             for _ in inputs:  # runs the companion's stage to its end (its state for the next stage)
                 raise AssertionError("a companion yielded more mini-batches than the quantized block")
+    return count
 
 
 def embed_inputs(

@@ -5,7 +5,7 @@ a block's quantization returns."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,6 +14,9 @@ from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner
 from quantkit.quantization.memory_strategy import MemoryStrategy
 from quantkit.quantization.methods.composition import JobSteps
+
+if TYPE_CHECKING:
+    from quantkit.quantization.distributed_run import RankBlocks
 
 
 @dataclass(slots=True)
@@ -29,6 +32,7 @@ class BlockRun:
     sample_every: int = 0  # the MSE observer's token-row stride (0: no sample)
     kv_cache: KVCacheScheme | None = None  # calibrate k_scale / v_scale for an FP8 KV cache
     moe_calibration: str = "all"  # mixture of experts: every token through every expert, or the routed ones
+    ranks: RankBlocks | None = None  # several processes (torchrun): this rank's windows and the exchanges
 
 
 @dataclass(slots=True)

@@ -71,8 +71,10 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
     model_config.pop("quantization_config", None)
     layer_prefix = job.arch.layers_path + "."
     outer = work.load_outer()  # e.g. rotated: the embedding, final norm and an untied head
-    for step in job.steps:  # e.g. a refitted head
+    outer_schemes = {}  # modules outside the blocks written quantized (a quantized head)
+    for step in job.steps:  # e.g. a refitted head, then a quantized one
         outer |= step.hooks.final_tensors(step.config, job, work, outer)
+        outer_schemes |= step.hooks.outer_schemes(step.config, job)
     if outer:
         model_config["tie_word_embeddings"] = False
     writer = ShardedWriter(job.output, max_shard_bytes=job.config.max_shard_bytes, overwrite=job.config.force)
@@ -82,7 +84,8 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
             if not name.startswith(layer_prefix) and name not in outer:
                 writer.add({name: job.weights.stored(name)})
         for name, tensor in outer.items():
-            writer.add({name: tensor})
+            if tensor is not None:  # None: written in another form (a head's float weight, written packed)
+                writer.add({name: tensor})
         for index in range(work.finished):
             writer.add(stored_tensors(work.block_file(index)))
         writer.finalize(
@@ -92,6 +95,7 @@ def write_checkpoint(job: QuantizeJob, work: WorkDir) -> None:
                 float_modules(job.arch, job.num_layers),
                 kv_cache=job.config.kv_cache,
                 activation_observer=OBSERVER_NAMES[job.config.activation_observer],
+                outer=outer_schemes,
             ),
             describe=lambda staged: describe_checkpoint(job, work, staged),
         )

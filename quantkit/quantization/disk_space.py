@@ -34,7 +34,9 @@ def expected_bytes(job: QuantizeJob) -> dict[str, int]:
         tokens = job.calibration.input_ids.numel()
         streams = 2 if job.steps.keeps_float_path else 1  # the float model's activations beside the quantized
         hidden = 2 * streams * int(config["hidden_size"]) * job.storage.itemsize  # the current input and the next
-        work += tokens * (hidden + int(config["intermediate_size"]) * _SPILL_BYTES)
+        # the widest down_proj input (Qwen3.5-MoE's config.json has no dense intermediate_size, only the experts')
+        widths = ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size")
+        work += tokens * (hidden + max(int(config.get(key) or 0) for key in widths) * _SPILL_BYTES)
     return {"checkpoint": checkpoint, "work directory": work}
 
 

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import closing
-from dataclasses import dataclass, field
+from contextlib import closing, nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,8 @@ import torch
 
 from quantkit.data.model_calibration import calibration_for_model
 from quantkit.device import peak_device_memory_mb, resolve_device
+from quantkit.distributed.context import DistContext, current
+from quantkit.distributed.faults import maybe_fail
 from quantkit.errors import QuantkitError
 from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
@@ -32,6 +35,7 @@ from quantkit.quantization.block_work import BlockRun
 from quantkit.quantization.checkpoint_output import block_tensors, read_run_fingerprints, write_checkpoint
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.disk_space import check_free_space
+from quantkit.quantization.distributed_run import RankBlocks, announce, check_distributable
 from quantkit.quantization.input_ranges import sample_stride
 from quantkit.quantization.job import QuantizeJob, num_layers_of, scheme_assignment
 from quantkit.quantization.leftovers import remove_leftovers
@@ -58,6 +62,8 @@ class QuantizeResult:
     already_complete: bool = False  # --resume found this run's finished checkpoint: nothing was redone
     device: str = "cpu"  # where the blocks were solved
     peak_device_mb: float | None = None  # peak memory allocated on an accelerator (None on the CPU)
+    processes: int = 1  # torchrun's world size
+    rank_seconds: list[float] = field(default_factory=list)  # several processes: each rank's time to the last block
 
 
 def quantize_model(
@@ -77,42 +83,84 @@ def quantize_model(
     config = QuantizeConfig.of(config)
     config.validate()
     output = Path(output)
-    with output_lock(output):  # one run per output, for the whole run
-        return _quantize(str(model), config, output, on_block_done)
+    context = current()  # torchrun with several processes: this rank's place (None: one process)
+    if context is not None:
+        check_distributable(config, context)
+        announce(context, str(model), config, output)  # a recipe's rank 0 calls the other ranks in
+    main = context is None or context.is_main
+    with output_lock(output) if main else nullcontext():  # one run per output, for the whole run (rank 0 writes)
+        return _quantize(str(model), config, output, on_block_done, context)
 
 
 def _quantize(
-    model: str, config: QuantizeConfig, output: Path, on_block_done: Callable[[int], None] | None
+    model: str,
+    config: QuantizeConfig,
+    output: Path,
+    on_block_done: Callable[[int], None] | None,
+    context: DistContext | None = None,
 ) -> QuantizeResult:
+    """The run; with several processes every rank runs it, and rank 0 alone reads and writes the output and the
+    work directory (what it finds there is handed to the others)."""
     start = time.perf_counter()
-    remove_leftovers(output)
-    with SourceWeights(_float_source(model, output, config)) as weights:
+    main = context is None or context.is_main
+    if main:
+        remove_leftovers(output)
+    with SourceWeights(_float_source(model, output, config, main)) as weights:
         job = _prepare(model, config, output, weights)
+        ranks = None if context is None else _rank_blocks(context, job)
         fingerprints = job.fingerprints()
-        if output.exists() and read_run_fingerprints(output) == fingerprints and config.resume:
-            _retire(partial_dir(output))  # a run killed while cleaning up after its checkpoint was written
-            return _result(job, start, job.num_layers, _recorded_layers(output), already_complete=True)
-        if output.exists() and not config.force:
-            raise _output_exists(output)
-        check_free_space(job)
-        work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
-        resumed_from = work.finished
-        if not work.has_outer:
-            outer = {}
-            for step in job.steps:
-                outer |= step.hooks.outer_tensors(job.states.get(step.name), job)
-            if outer:
-                work.save_outer(outer)
+        complete = main and output.exists() and read_run_fingerprints(output) == fingerprints and config.resume
+        work = None if complete or not main else _open_work(job, output, fingerprints)
+        finished = 0 if work is None else work.finished
+        if ranks is not None:
+            complete, finished = ranks.decide((complete, finished))
+        if complete:
+            if main:
+                _retire(partial_dir(output))  # a run killed while cleaning up after its checkpoint was written
+            records = _recorded_layers(output) if main else []
+            return _result(job, start, job.num_layers, records, already_complete=True)
+        resumed_from = finished
         try:
-            _run_blocks(job, work, on_block_done)
-            write_checkpoint(job, work)
+            with tempfile.TemporaryDirectory(prefix="quantkit-scratch-") as scratch:
+                _run_blocks(job, work or WorkDir(Path(scratch), {}), finished, ranks, on_block_done)
+            rank_seconds = [] if ranks is None else ranks.rank_seconds(time.perf_counter() - start)
+            if work is not None:
+                write_checkpoint(job, work)
         except KeyboardInterrupt as exc:  # the finished blocks are saved: say how far it got and how to go on
             if isinstance(exc, Interrupted):
                 raise
-            raise Interrupted(done=work.finished, total=job.num_layers, unit="block", hint=RESUME_HINT) from exc
-        commit_point("checkpoint-written")
-    shutil.rmtree(work.retire())
-    return _result(job, start, resumed_from, work.layer_records)
+            done = finished if work is None else work.finished
+            raise Interrupted(done=done, total=job.num_layers, unit="block", hint=RESUME_HINT) from exc
+        if work is not None:
+            commit_point("checkpoint-written")
+    if work is not None:
+        shutil.rmtree(work.retire())
+    result = _result(job, start, resumed_from, [] if work is None else work.layer_records)
+    if context is not None:
+        result.processes, result.rank_seconds = context.world, rank_seconds
+    return result
+
+
+def _open_work(job: QuantizeJob, output: Path, fingerprints: dict[str, str]) -> WorkDir:
+    """The work directory (resumed or new), with the tensors outside the blocks an algorithm replaces."""
+    config = job.config
+    if output.exists() and not config.force:
+        raise _output_exists(output)
+    check_free_space(job)
+    work = WorkDir.open(partial_dir(output), fingerprints, resume=config.resume, discard=config.force)
+    if not work.has_outer:
+        outer = {}
+        for step in job.steps:
+            outer |= step.hooks.outer_tensors(job.states.get(step.name), job)
+        if outer:
+            work.save_outer(outer)
+    return work
+
+
+def _rank_blocks(context: DistContext, job: QuantizeJob) -> RankBlocks:
+    if job.calibration is None:
+        return RankBlocks.data_free(context)
+    return RankBlocks.plan(context, int(job.calibration.input_ids.shape[0]), job.config.batch_size)
 
 
 def _result(
@@ -147,14 +195,14 @@ def _output_exists(output: Path) -> QuantkitError:
     return QuantkitError(f"output directory '{output}' exists; pass --force to replace it once the new one is complete")
 
 
-def _float_source(model: str, output: Path, config: QuantizeConfig) -> Path:
+def _float_source(model: str, output: Path, config: QuantizeConfig, main: bool = True) -> Path:
     from quantkit.model.resolve import arch_for_dir, is_quantized_dir, resolve_model
 
     source = resolve_model(model)
     arch_for_dir(source)  # an unsupported architecture fails before any work
     if is_quantized_dir(source):
         raise QuantkitError(f"'{model}' is already quantized; pass the original float model")
-    if output.exists() and not config.force and not config.resume:  # --resume: it may be this run's, finished
+    if main and output.exists() and not config.force and not config.resume:  # --resume: it may be this run's
         raise _output_exists(output)
     return source
 
@@ -188,11 +236,21 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
     return job
 
 
-def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], None] | None) -> None:
+def _run_blocks(
+    job: QuantizeJob,
+    work: WorkDir,
+    finished: int,
+    ranks: RankBlocks | None,
+    on_block_done: Callable[[int], None] | None,
+) -> None:
     """The block loop. The block being solved, its statistics and the calibration activations live on
-    ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU."""
+    ``job.device``; weights stream from the shards one block at a time, and what is saved goes back to the CPU.
+
+    With several processes (``ranks``) each rank holds its own windows' activations; ``work`` is rank 0's work
+    directory and, on the other ranks, a scratch directory of their own for the spill files (nothing is saved)."""
+    main = ranks is None or ranks.context.is_main
     skeleton = build_skeleton(job.source)
-    run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage, kv_cache=job.config.kv_cache)
+    run = BlockRun(arch=job.arch, steps=job.steps, storage=job.storage, kv_cache=job.config.kv_cache, ranks=ranks)
     run.input_observer = job.config.activation_observer
     run.moe_calibration = job.config.moe_calibration
     device = job.device
@@ -206,18 +264,24 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
         seq_len, batch_size = job.calibration.seq_len, job.config.batch_size
         run.sample_every = sample_stride(job.calibration.input_ids.numel(), run.input_observer)
         run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
-        hidden = work.load_hidden(device) if work.finished > 0 else _first_input(job, work, skeleton).to(device)
+        if ranks is not None:  # this rank's windows: rank 0 hands out the saved input, or each cuts its own
+            saved = work.load_hidden() if finished > 0 and main else None
+            first = _first_input(job, {}, skeleton)[ranks.rows].clone() if finished == 0 else None
+            hidden = ranks.scatter_rows(saved, device) if finished > 0 else first.to(device)  # type: ignore[union-attr]
+        else:
+            hidden = work.load_hidden(device) if finished > 0 else _first_input(job, work.load_outer(), skeleton)
+            hidden = hidden.to(device)
         if job.steps.keeps_float_path:  # the float model's activations: the targets of tuning and refitting
-            reference = work.load_reference(device) if work.finished > 0 else hidden.clone()
+            reference = work.load_reference(device) if finished > 0 else hidden.clone()
     visits = walk_blocks(
         skeleton,
         job.arch,
         job.weights,
         description=f"Quantizing ({job.config.method})",
-        first=work.finished,
+        first=finished,
         dtype=load_dtype,
         device=device,
-        show_progress=job.config.show_progress,
+        show_progress=job.config.show_progress and main,  # progress from rank 0 only
     )
     with SpillFile(work.spill_file) as spill, closing(visits):  # closing: the bar stops before Ctrl-C's message
         run.memory = work.memory_strategy(device, spill)
@@ -225,20 +289,26 @@ def _run_blocks(job: QuantizeJob, work: WorkDir, on_block_done: Callable[[int], 
             for hooks, state in folds:
                 hooks.fold(state, visit.module)
             schemes = job.assignment.for_block(visit.prefix)
-            done = quantize_block(visit.module, visit.prefix, hidden, schemes, run, reference)
+            layer_run = replace(run, arch=job.arch.for_layer(visit.index)) if job.arch.mixers else run  # hybrid
+            if ranks is not None:
+                maybe_fail(ranks.rank, visit.index)
+            done = quantize_block(visit.module, visit.prefix, hidden, schemes, layer_run, reference)
             hidden, reference = done.output, done.reference_output
-            tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage, done.extra)
-            work.save_block(visit.index, tensors, hidden, done.records, reference)
-            del done, tensors
-            if on_block_done is not None:
-                on_block_done(visit.index)
+            saved = hidden if ranks is None or hidden is None else ranks.gather_rows(hidden)  # all windows, rank 0
+            if main:
+                tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage, done.extra)
+                work.save_block(visit.index, tensors, saved, done.records, reference)
+                del tensors
+                if on_block_done is not None:
+                    on_block_done(visit.index)
+            del done, saved
 
 
-def _first_input(job: QuantizeJob, work: WorkDir, skeleton: torch.nn.Module) -> torch.Tensor:
-    """The first block's calibration input: an algorithm's (the rows of a rotated embedding), else the source's
-    embedding of the windows."""
+def _first_input(job: QuantizeJob, outer: dict[str, torch.Tensor], skeleton: torch.nn.Module) -> torch.Tensor:
+    """The first block's calibration input: an algorithm's (the rows of a rotated embedding, from ``outer``: the
+    work directory's tensors outside the blocks), else the source's embedding of the windows."""
     assert job.calibration is not None
-    ids, outer = job.calibration.input_ids, work.load_outer()
+    ids = job.calibration.input_ids
     for step in job.steps:
         first = step.hooks.first_input(job.states.get(step.name), outer, ids, job.storage)
         if first is not None:

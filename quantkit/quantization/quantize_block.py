@@ -67,6 +67,8 @@ def quantize_block(
         scales = kv_scales(take_kv_absmax(attention), run.kv_cache.strategy == "attn_head", run.storage)
         extra = {f"{run.arch.attn_path}.{name}": scale for name, scale in scales.items()}
     if staged.experts is not None:
+        if run.ranks is not None:  # every rank's routing: the records count the tokens of all windows
+            staged.experts.counts = run.ranks.sum_counts(staged.experts.counts)
         _record_routing(work.records, prefix, staged)
     if companion_output:
         work.reference_output = companions[0].float_output()
@@ -92,18 +94,33 @@ def _solve_stages(
     keep_dense = run.steps.any_cap("reads_solved_block")
     with_hessian = solver.algorithm.caps.needs_hessian
     watching = [*companions, observer] if observer is not None else companions
-    for stage, hessian, stage_data in stage_hessians(staged, with_hessian=with_hessian, companions=watching):
+    moe = run.arch.moe is not None
+    runs = {stage.name: _solve_runs(stage.linears, work.schemes, work.block, moe) for stage in staged.stages}
+    # several processes: which rank solves each run (the stage's Hessian goes to those ranks alone)
+    owners = {name: _owners(run, work.block, stage_runs) for name, stage_runs in runs.items()}
+    share = None if run.ranks is None else run.ranks.batch_share(lambda stage: set(owners[stage.name] or ()))
+    stages = stage_hessians(staged, with_hessian=with_hessian, companions=watching, share=share)
+    for stage, hessian, stage_data in stages:
         input_range = stage_data.pop() if observer is not None else None
         run.memory.before_stage(stage, staged, work.weights, keep_dense)
-        for names, scheme in _solve_runs(stage.linears, work.schemes, work.block, run.arch.moe is not None):
+        solved_runs = []
+        for index, (names, scheme) in enumerate(runs[stage.name]):
+            stage_owners = owners[stage.name]
+            if stage_owners is not None and stage_owners[index] != run.ranks.rank:  # type: ignore[union-attr]
+                solved_runs.append(None)  # another rank's: broadcast below
+                continue
             weights = [get_module(work.block, name).weight.data for name in names]
             job = SolveJob(work.prefix, names, weights, hessian, scheme, run.storage, run.memory.parking)
             if hessian is not None:
                 for step, data in zip(targets, stage_data, strict=True):
                     job.weights = step.hooks.target_weights(step.config, solver.config, job, data)
             del weights
-            solved = solver.hooks.solve(solver.config, job)
+            solved_runs.append(solver.hooks.solve(solver.config, job))
             del job
+        if owners[stage.name] is not None:
+            assert run.ranks is not None
+            solved_runs = run.ranks.share_solved(solved_runs, owners[stage.name], staged.hidden.device)
+        for (names, scheme), solved in zip(runs[stage.name], solved_runs, strict=True):
             unseen = stage.name in staged.unseen_stages  # no calibration row: the solve was round-to-nearest
             for name, (weight, record) in zip(names, solved, strict=True):
                 record.fell_back_to_rtn = record.fell_back_to_rtn or unseen
@@ -112,7 +129,15 @@ def _solve_stages(
                 work.write_back(name, weight)
                 work.weights[name] = weight
                 work.records.append(record)
-        del hessian, stage_data
+        del hessian, stage_data, solved_runs
+
+
+def _owners(run: BlockRun, block: nn.Module, runs: list[tuple[list[str], QuantScheme]]) -> list[int] | None:
+    """The rank that solves each run, by cost (columns x rows; None on one process)."""
+    if run.ranks is None:
+        return None
+    costs = [sum(get_module(block, name).weight.numel() for name in names) for names, _ in runs]
+    return run.ranks.owners(costs)
 
 
 def _record_routing(records: list[Any], prefix: str, staged: StagedBlock) -> None:
@@ -132,13 +157,23 @@ def _quantize_data_free(block: nn.Module, prefix: str, schemes: BlockSchemes, ru
     solver = run.steps.solver
     assert not run.steps.needs_calibration, "only data-free algorithms run without calibration windows"
     out = QuantizedBlock({}, None)
-    for name, scheme in schemes.items():
-        if scheme is not None:
-            stored = get_module(block, name).weight.data
-            job = SolveJob(prefix, [name], [stored], None, scheme, run.storage)
-            ((weight, record),) = solver.hooks.solve(solver.config, job)
-            out.weights[name] = weight
-            out.records.append(record)
+    runs = [([name], scheme) for name, scheme in schemes.items() if scheme is not None]
+    owners = _owners(run, block, runs)  # several processes: each linear is solved by one rank and broadcast
+    solved_runs = []
+    for index, (names, scheme) in enumerate(runs):
+        if owners is not None and owners[index] != run.ranks.rank:  # type: ignore[union-attr]
+            solved_runs.append(None)
+            continue
+        stored = get_module(block, names[0]).weight.data
+        job = SolveJob(prefix, names, [stored], None, scheme, run.storage)
+        solved_runs.append(solver.hooks.solve(solver.config, job))
+    if owners is not None:
+        assert run.ranks is not None
+        device = next(iter(block.parameters())).device
+        solved_runs = run.ranks.share_solved(solved_runs, owners, device)
+    for (names, _), ((weight, record),) in zip(runs, solved_runs, strict=True):
+        out.weights[names[0]] = weight
+        out.records.append(record)
     return out
 
 

@@ -14,6 +14,7 @@ from rich.console import Console
 from quantkit.format.coverage import audit_checkpoint
 from quantkit.quantization.output_lock import output_lock
 from quantkit.recipes.card_evaluation import update_model_card
+from quantkit.recipes.gguf_stage import gguf_stages
 from quantkit.recipes.quantize_stages import check_layouts, export_stage, quantize_stage
 from quantkit.recipes.report import RecipeReport, check_gates, environment, write_report
 from quantkit.recipes.schema import Recipe, recipe_secrets, recipe_to_dict
@@ -56,6 +57,7 @@ def _run(
         plan_path = Path(recipe.quantization.plan)
     quantize_stage(run, model_path, calib_path, plan_path, output)
     export_stage(run, output)
+    gguf_stages(run, calib_path, output)
     quantized, baseline = evaluate_stages(run, model_id, output)
     audit = audit_checkpoint(output)
     run.figures["quantized fraction"] = round(audit.quantized_fraction, 6)

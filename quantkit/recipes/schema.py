@@ -175,6 +175,20 @@ class OutputSection(FileModel):
     def export_formats(self) -> list[str]:
         return [f for f in self.formats if f != COMPRESSED_TENSORS]
 
+    # llama.cpp mixes (Q4_K_M, Q6_K, ...) solved from the float model with the recipe's solver and calibration,
+    # each written as <directory>.<MIX>.gguf (quantkit/recipes/gguf_stage.py)
+    gguf: list[str] = Field(default_factory=list)
+
+    @field_validator("gguf")
+    @classmethod
+    def _gguf_mixes(cls, value: list[str]) -> list[str]:
+        from quantkit.quantization.gguf.mixes import MIXES
+
+        unknown = [m for m in value if m.upper() not in MIXES]
+        if unknown:
+            raise ValueError(f"unknown GGUF mix '{unknown[0]}'; use one of {', '.join(MIXES)}")
+        return list(dict.fromkeys(m.upper() for m in value))
+
 
 class BehaviourSection(FileModel):
     """Greedy replies to the shipped chat prompts (quantkit.eval.behaviour), the checkpoint's and the reference's."""

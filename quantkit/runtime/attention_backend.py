@@ -77,6 +77,7 @@ class AttentionBackend(ABC):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Decode attention (one query token per sequence) over the paged cache (dequantized with scales)."""
 
@@ -91,14 +92,16 @@ class AttentionBackend(ABC):
         *,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``; ``window``/``softcap``: the module docstring."""
+        """``q [T, Hq, D]``, ``k``/``v [T, Hkv, D]`` -> ``[T, Hq, D]``; ``window``/``softcap``/``sinks`` ``[Hq]``: the
+        module docstring."""
         if kv.rotation is not None:  # keys are stored rotated (kv_cache's docstring), so attend with rotated queries
             q, k = rotate(q, kv.rotation), rotate(k, kv.rotation)
         self.write_kv(k, v, kv, meta)
         if meta.is_prefill:
-            return prefill_attention(q, k, v, kv, meta, scale, window, softcap)
-        return self.decode(q, kv, meta, scale, window, softcap)
+            return prefill_attention(q, k, v, kv, meta, scale, window, softcap, sinks)
+        return self.decode(q, kv, meta, scale, window, softcap, sinks)
 
 
 def _gather(
@@ -125,6 +128,7 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new queries over its context (within ``window`` when given). With an
     8-bit cache (already written) K/V are always read back from the pages and dequantized, the new rows included."""
@@ -141,7 +145,8 @@ def prefill_attention(
             ki, vi = _gather(kv.k, meta.block_tables[i], ctx), _gather(kv.v, meta.block_tables[i], ctx)
             ki, vi = ki.to(q.dtype), vi.to(q.dtype)
         mask = prefill_mask(n, ctx, window, q.device)
-        oi = attend(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap)
+        head_sinks = None if sinks is None else sinks.view(-1, 1, 1)  # [Hq, 1, 1] against scores [Hq, n, ctx]
+        oi = attend(qi, ki.transpose(0, 1), vi.transpose(0, 1), mask, scale, softcap, sinks=head_sinks)
         out[start : start + n] = oi.transpose(0, 1)
         start += n
     return out
@@ -167,11 +172,14 @@ def attend(
     scale: float,
     softcap: float | None = None,
     enable_gqa: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``softmax(q k^T * scale, mask) v`` over ``[..., H, L, D]`` tensors (with ``enable_gqa`` k/v may have fewer
-    heads); no mask means causal. Without ``softcap`` it is ``scaled_dot_product_attention``; with it, transformers'
-    eager attention with the scores capped."""
-    if softcap is None:
+    heads); no mask means causal. Without ``softcap`` and ``sinks`` it is ``scaled_dot_product_attention``; with
+    either, transformers' eager attention: the scores capped, and (gpt_oss) a sink logit per head, broadcast against
+    the scores' ``[..., 1]``, joining each row's softmax (max subtracted, softmax in the scores' dtype) and dropped
+    after it, so the row's weights sum to less than one."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=enable_gqa
         )
@@ -179,11 +187,17 @@ def attend(
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
         v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None:
         mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    combined = torch.cat((scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)), dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -197,8 +211,9 @@ class TorchAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        return torch_decode(q, kv, meta, scale, window, softcap)
+        return torch_decode(q, kv, meta, scale, window, softcap, sinks)
 
 
 def decode_key_mask(meta: AttentionMetadata, length: int, window: int | None, device: torch.device) -> torch.Tensor:
@@ -224,6 +239,7 @@ def torch_decode(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention with torch ops (any device); with scales the gathered pages are dequantized."""
     bsz, hq, dim = q.shape
@@ -237,7 +253,8 @@ def torch_decode(
         v = kv.v.index_select(0, pages).view(bsz, -1, hkv, dim).transpose(1, 2)
     mask = decode_key_mask(meta, k.shape[2], window, q.device)
     qg = q.reshape(bsz, hkv, hq // hkv, dim)  # the query heads of a kv group act as rows
-    out = attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, enable_gqa=False)
+    group_sinks = None if sinks is None else sinks.view(hkv, hq // hkv, 1)  # head h = kv group * G + g, as qg's rows
+    out = attend(qg, k.to(q.dtype), v.to(q.dtype), mask, scale, softcap, enable_gqa=False, sinks=group_sinks)
     return out.reshape(bsz, hq, dim)
 
 
@@ -261,12 +278,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         from quantkit.runtime.kernels.paged_attention import paged_attention
 
-        # the kernel has no soft-capping (Gemma 2's attention): those layers decode in torch
-        if softcap is not None or (kv.quantized and not _triton_handles(kv.k)):
-            return torch_decode(q, kv, meta, scale, window, softcap)
+        # the kernel has no soft-capping (Gemma 2's attention) and no attention sinks (gpt_oss): those layers decode
+        # in torch (the same math as backend='torch'; adding a sink term to the kernel's online softmax is the fix)
+        if softcap is not None or sinks is not None or (kv.quantized and not _triton_handles(kv.k)):
+            return torch_decode(q, kv, meta, scale, window, softcap, sinks)
         return paged_attention(
             q.contiguous(),
             kv.k,

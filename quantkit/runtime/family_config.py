@@ -89,10 +89,12 @@ def layer_attention(arch: ArchSpec, cfg: Mapping[str, Any], num_layers: int) -> 
             f"one of {SLIDING!r} or {FULL!r} per layer"
         )
     params = cfg["rope_parameters"]
+    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
+    if not (set(params) & {SLIDING, FULL}):  # one set of rotary parameters for every layer (gpt_oss)
+        return LayerAttention(types, window, RopeConfig.from_hf(cfg))
     ropes = {
         kind: RopeConfig.from_hf({**cfg, "rope_scaling": None, "rope_parameters": params[kind]}) for kind in params
     }
-    window = int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
     return LayerAttention(types, window, ropes[FULL], ropes[SLIDING])
 
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.linear import FusedLinear, Linear, fuse_linears
+from quantkit.runtime.yarn import yarn_attention_factor, yarn_inv_freq
 
 if TYPE_CHECKING:
     from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
@@ -92,6 +93,10 @@ class RopeConfig:
     high_freq_factor: float = 4.0  # llama3
     original_max_position_embeddings: int = 8192  # llama3
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that is rotated (Phi-4-mini: 0.75)
+    beta_fast: float = 32.0  # yarn: the correction range's bounds, in rotations
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: the correction range rounded to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos and sin multiplied by it (transformers' attention_scaling)
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], *, partial_rotary: bool = False) -> RopeConfig:
@@ -103,11 +108,11 @@ class RopeConfig:
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         type_key = "rope_type" if "rope_type" in params else "type"
         rope_type = str(params.get(type_key, "default"))
-        if rope_type not in ("default", "linear", "llama3"):
+        if rope_type not in ("default", "linear", "llama3", "yarn"):
             section = "rope_parameters" if type_key in (cfg.get("rope_parameters") or {}) else "rope_scaling"
             raise QuantkitError(
                 f"config.json {section}.{type_key} {rope_type!r} is not supported by the runtime "
-                "(supported: default, linear, llama3)"
+                "(supported: default, linear, llama3, yarn)"
             )
         # transformers moves a top-level partial_rotary_factor (Phi-4-mini's config.json) into rope_parameters
         partial = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
@@ -120,6 +125,20 @@ class RopeConfig:
             )
         if rope_type == "default":
             return cls(theta=theta, partial_rotary_factor=partial)
+        if rope_type == "yarn":
+            return cls(
+                theta=theta,
+                rope_type=rope_type,
+                factor=float(params["factor"]),
+                original_max_position_embeddings=int(
+                    params.get("original_max_position_embeddings", cfg.get("max_position_embeddings", 8192))
+                ),
+                partial_rotary_factor=partial,
+                beta_fast=float(params.get("beta_fast") or 32.0),
+                beta_slow=float(params.get("beta_slow") or 1.0),
+                truncate=bool(params.get("truncate", True)),
+                attention_factor=yarn_attention_factor(params),
+            )
         return cls(
             theta=theta,
             rope_type=rope_type,
@@ -153,6 +172,8 @@ class RopeConfig:
             smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             return torch.where(medium, smoothed, scaled)
+        if self.rope_type == "yarn":
+            return yarn_inv_freq(self, dim, inv)
         return inv
 
 
@@ -168,7 +189,9 @@ class RotaryEmbedding(nn.Module):
     def build(self, max_positions: int, device: torch.device | str) -> None:
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * self.rope.inv_freq(self.head_dim)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim], as HF computes it
-        self.cos, self.sin = emb.cos().to(device), emb.sin().to(device)
+        scale = self.rope.attention_factor  # yarn's, 1 for the others (then no multiply: the tables stay bit-equal)
+        cos, sin = (emb.cos(), emb.sin()) if scale == 1.0 else (emb.cos() * scale, emb.sin() * scale)
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[T, 1, R]`` (R: the rotary dimensions) at ``positions [T]``, looked up once per step and
@@ -241,7 +264,8 @@ class Attention(nn.Module):
     ``scale`` defaults to ``head_dim ** -0.5`` (Gemma: ``query_pre_attn_scalar ** -0.5``); ``window``: a sliding
     window, the query at position i sees keys i - window < j <= i; ``softcap``: scores soft-capped as
     ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2's attn_logit_softcapping); ``norm_offset``: the q/k
-    norms multiply by ``(norm_offset + weight)`` (Gemma).
+    norms multiply by ``(norm_offset + weight)`` (Gemma); ``sinks``: a learned per-head logit joins each softmax
+    (gpt_oss's attention sinks).
 
     ``fused_qkv``: the checkpoint stores q, k and v as one linear, ``qkv_proj`` (Phi-3: the q rows, then k, then v),
     used as it is; otherwise ``q_proj``, ``k_proj`` and ``v_proj``, fused into one matmul by ``prepare`` when they
@@ -262,9 +286,12 @@ class Attention(nn.Module):
         window: int | None = None,
         softcap: float | None = None,
         norm_offset: float = 0.0,
+        sinks: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        # gpt_oss: a learned logit per query head that joins each row's softmax and takes its share of the weight
+        self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -303,6 +330,6 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         assert self.backend is not None and self.kv is not None
         out = self.backend.forward(
-            q, k, v.contiguous(), self.kv, meta, self.scale, window=self.window, softcap=self.softcap
+            q, k, v.contiguous(), self.kv, meta, self.scale, window=self.window, softcap=self.softcap, sinks=self.sinks
         )
         return self.o_proj(out.reshape(t, q_size))

@@ -30,9 +30,11 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.loader import keeps_stored_dtype
+from quantkit.format.quant_embedding import dense_embedding
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
-from quantkit.format.tensors import SCALE
+from quantkit.format.tensors import QUANTIZED_PARTS, SCALE
 from quantkit.model.architectures import GATE_UP, QKV, arch_for_model_type
+from quantkit.model.gpt_oss import is_mxfp4, per_expert_state
 from quantkit.runtime.attention_backend import AttentionMetadata
 from quantkit.runtime.family_config import FamilyFacts, LayerAttention, layer_attention, with_class_defaults
 from quantkit.runtime.kv_stored_scales import register_kv_scale_buffers
@@ -63,6 +65,7 @@ class ModelConfig:
     fused_qkv: bool = False  # the checkpoint stores q/k/v as one linear, self_attn.qkv_proj (Phi-3)
     fused_gate_up: bool = False  # the checkpoint stores gate/up as one linear, mlp.gate_up_proj (Phi-3)
     attention: LayerAttention | None = None  # each layer's window and rotary parameters (None: all full, ``rope``)
+    attn_sinks: bool = False  # a learned per-head logit in every attention softmax (gpt_oss)
     # Gemma's norms, scales, activation and soft-capping (default: Llama's)
     family: FamilyFacts = field(default_factory=FamilyFacts)
 
@@ -79,6 +82,11 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         model_type = str(cfg.get("model_type") or "<missing model_type>")
         arch = arch_for_model_type(model_type)  # raises UnsupportedArchitectureError naming the supported ones
+        if arch.mixers:  # Qwen3.5-MoE: gated DeltaNet layers, whose state per sequence the runtime does not keep
+            raise QuantkitError(
+                f"quantkit's runtime cannot serve {model_type}: its linear-attention layers need a recurrent state per "
+                "sequence beside the paged KV cache; serve the checkpoint with vLLM (vllm serve <checkpoint dir>)"
+            )
         moe = None
         if arch.moe is not None:
             cfg = with_config_defaults(model_type, cfg, arch.moe)
@@ -111,6 +119,7 @@ class ModelConfig:
             fused_qkv=len(arch.stage(QKV).linears) == 1,
             fused_gate_up=moe is None and len(arch.stage(GATE_UP).linears) == 1,
             attention=attention,
+            attn_sinks=arch.attention_sinks,
             family=FamilyFacts.from_hf(arch, cfg),
         )
 
@@ -137,6 +146,7 @@ class DecoderLayer(nn.Module):
             window=cfg.window(index),
             softcap=family.attn_softcap,
             norm_offset=family.norm_offset,
+            sinks=cfg.attn_sinks,
         )
         # the MLP sits under the checkpoint's name for it ("mlp"; Mixtral's sparse one: "block_sparse_moe")
         self.mlp_path = "mlp" if cfg.moe is None else cfg.moe.path
@@ -254,9 +264,20 @@ def _apply_layout(model: CausalLM, layout: QuantizationLayout, scale_dtypes: Map
             if scheme is not None:
                 module.quantize(scheme, scale_dtypes.get(f"{name}.{SCALE}", torch.bfloat16))
                 count += 1
-        elif isinstance(module, nn.Embedding) and layout.scheme_for(name, ["Embedding"]) is not None:
-            raise QuantkitError(f"quantization_config quantizes embedding {name!r}; the runtime loads Linear only")
     return count
+
+
+def _dequantize_embeddings(model: CausalLM, layout: QuantizationLayout, state: dict[str, torch.Tensor]) -> None:
+    """A quantized embedding's tensors in ``state`` replaced by its dense table (the runtime looks rows up in one)."""
+    for name, module in model.named_modules():
+        scheme = layout.scheme_for(name, ["Embedding"]) if isinstance(module, nn.Embedding) else None
+        if scheme is None or f"{name}.weight" in state:
+            continue
+        device = state[f"{name}.{SCALE}"].device
+        table = dense_embedding(state, name, scheme, module.weight.dtype)
+        for part in QUANTIZED_PARTS:
+            state.pop(f"{name}.{part}", None)
+        state[f"{name}.weight"] = table.to(device)
 
 
 def _load_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
@@ -288,11 +309,15 @@ def load_model(
     files = shard_files(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    layout = parse_quantization_config(raw["quantization_config"]) if raw.get("quantization_config") else None
+    # the hub's gpt-oss: MXFP4 experts decoded to float when loaded (per_expert_state), every other tensor float
+    quantized = raw.get("quantization_config") and not is_mxfp4(raw)
+    layout = parse_quantization_config(raw["quantization_config"]) if quantized else None
     if layout is not None and _apply_layout(model, layout, scale_dtypes(files)) == 0:
         raise QuantkitError(f"quantization_config of {path} targets no Linear layer of the model")
 
-    state = _load_state(files, dtype, device)
+    state = per_expert_state(_load_state(files, dtype, device))  # gpt_oss's files hold fused experts
+    if layout is not None:
+        _dequantize_embeddings(model, layout, state)
     if layout is not None and layout.kv_cache is not None:  # the cache runs in FP8 under these (model_runner)
         attentions = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
         register_kv_scale_buffers(attentions, state, cfg.num_kv_heads)

@@ -1,10 +1,12 @@
-"""Sparse mixture-of-experts MLP for the runtime's decoder (Qwen3-MoE, Mixtral, Qwen2-MoE).
+"""Sparse mixture-of-experts MLP for the runtime's decoder (Qwen3-MoE, Mixtral, Qwen2-MoE, gpt-oss).
 
 A router (kept in float: quantized checkpoints list it in quantization_config's ignore) scores every token against
 every expert; each token goes to its top-k routed experts, whose outputs are summed with the routing weights; an
 optional shared expert (Qwen2-MoE) runs on every token behind a sigmoid gate. Routing follows transformers' router
 and experts classes step by step (softmax in fp32, top-k, optional renormalisation, weights cast back or not, a
-per-token sum in expert order) so that fp32 greedy decoding matches ``generate``.
+per-token sum in expert order) so that fp32 greedy decoding matches ``generate``. gpt-oss differs in three places:
+its router has a bias and softmaxes the top-k logits among themselves, every expert projection has a bias, and the
+experts' activation is its clamped SwiGLU (:mod:`quantkit.model.gpt_oss`).
 
 Module names mirror the checkpoint's (``<mlp_path>.gate``, ``<mlp_path>.experts.<e>.<gate|up|down>``,
 ``<mlp_path>.shared_expert.*``, ``<mlp_path>.shared_expert_gate``) as the architecture table
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from quantkit.model import gpt_oss
 from quantkit.model.architectures import ArchSpec, MoESpec
 from quantkit.runtime.layers import MLP
 from quantkit.runtime.linear import FusedLinear, Linear, fuse_linears
@@ -39,6 +42,8 @@ _DEFAULTED_KEYS = (
     "mlp_only_layers",
     "rms_norm_eps",
     "max_position_embeddings",
+    "swiglu_alpha",  # gpt_oss's clamped SwiGLU
+    "swiglu_limit",
 )
 
 
@@ -71,6 +76,7 @@ class MoEConfig:
     renormalize: bool  # top-k weights divided by their sum
     float_weights: bool  # routing weights stay fp32 when scaling expert outputs (MoESpec.float_routing_weights)
     shared_intermediate_size: int = 0  # of the shared expert (0: none)
+    swiglu: tuple[float, float] | None = None  # gpt_oss's clamped SwiGLU (alpha, limit); None: silu(gate) * up
 
     @classmethod
     def from_hf(cls, arch: ArchSpec, cfg: Mapping[str, Any]) -> MoEConfig:
@@ -89,36 +95,52 @@ class MoEConfig:
             renormalize=renormalize,
             float_weights=moe.float_routing_weights,
             shared_intermediate_size=shared,
+            swiglu=(
+                (float(cfg["swiglu_alpha"]), float(cfg["swiglu_limit"]))
+                if moe.expert_activation == gpt_oss.CLAMPED_SWIGLU
+                else None
+            ),
         )
 
 
 class FloatLinear(nn.Module):
-    """A bias-free linear a checkpoint keeps in float (the router, the shared expert's gate). Not a runtime
-    :class:`Linear`, so no quantization_config target ever swaps it for quantized buffers."""
+    """A linear a checkpoint keeps in float (the router, the shared expert's gate; a bias only on gpt_oss's router).
+    Not a runtime :class:`Linear`, so no quantization_config target ever swaps it for quantized buffers."""
 
-    def __init__(self, in_features: int, out_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def prepare(self, dtype: torch.dtype) -> None:
         # transformers runs it in the model's dtype too (the router's softmax then goes to fp32)
         self.weight = nn.Parameter(self.weight.to(dtype), requires_grad=False)
+        if self.bias is not None:
+            self.bias = nn.Parameter(self.bias.to(dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class Expert(nn.Module):
     """One routed expert, SwiGLU ``down(silu(gate(x)) * up(x))``, its linears under the family's checkpoint names
     (``gate_proj``/``up_proj``/``down_proj``; Mixtral ``w1``/``w3``/``w2``)."""
 
-    def __init__(self, names: tuple[str, str, str], hidden: int, intermediate: int) -> None:
+    def __init__(
+        self,
+        names: tuple[str, str, str],
+        hidden: int,
+        intermediate: int,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
+    ) -> None:
         super().__init__()
         self.names = names
+        self.swiglu = swiglu  # gpt_oss's (alpha, limit)
         gate, up, down = names
-        self.add_module(gate, Linear(hidden, intermediate))
-        self.add_module(up, Linear(hidden, intermediate))
-        self.add_module(down, Linear(intermediate, hidden))
+        self.add_module(gate, Linear(hidden, intermediate, bias))
+        self.add_module(up, Linear(hidden, intermediate, bias))
+        self.add_module(down, Linear(intermediate, hidden, bias))
         self.gate_up: FusedLinear | None = None  # gate and up as one matmul, set by prepare
 
     def _linears(self) -> tuple[Linear, Linear, Linear]:
@@ -136,6 +158,8 @@ class Expert(nn.Module):
             gate, up = self.gate_up(x).chunk(2, dim=-1)
         else:
             gate, up = gate_lin(x), up_lin(x)
+        if self.swiglu is not None:
+            return down(gpt_oss.clamped_swiglu(gate, up, *self.swiglu))
         return down(F.silu(gate) * up)
 
 
@@ -147,8 +171,11 @@ class SparseMoE(nn.Module):
         spec = self.spec = cfg.spec
         self.top_k, self.renormalize, self.float_weights = cfg.top_k, cfg.renormalize, cfg.float_weights
         # registered under the checkpoint's names (MoESpec), read back through the typed accessors below
-        self.add_module(spec.router, FloatLinear(hidden, cfg.num_experts))
-        experts = (Expert(spec.expert_linears, hidden, cfg.intermediate_size) for _ in range(cfg.num_experts))
+        self.add_module(spec.router, FloatLinear(hidden, cfg.num_experts, bias=spec.topk_then_softmax))
+        experts = (
+            Expert(spec.expert_linears, hidden, cfg.intermediate_size, spec.expert_bias, cfg.swiglu)
+            for _ in range(cfg.num_experts)
+        )
         self.add_module(spec.experts, nn.ModuleList(experts))
         if spec.shared_expert is not None:
             self.add_module(spec.shared_expert, MLP(hidden, cfg.shared_intermediate_size))  # fused by CausalLM
@@ -192,6 +219,9 @@ class SparseMoE(nn.Module):
         them: softmax over the router logits in fp32, top-k, optionally renormalised, then (Qwen) cast back to the
         compute dtype; Mixtral keeps them in fp32."""
         logits = self.router_linear()(x)
+        if self.spec.topk_then_softmax:  # gpt_oss: the top-k logits softmaxed among themselves, in their dtype
+            top, experts = torch.topk(logits, self.top_k, dim=-1)
+            return experts, torch.softmax(top, dim=-1, dtype=top.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.renormalize:

@@ -85,7 +85,7 @@ def test_reference_dir_and_rendering(tmp_path: Path) -> None:
     assert json.loads(json.dumps(data))["layers"][0]["name"] == "layer.proj"
     assert math.isclose(data["compression_ratio"], 12345 / report.checkpoint_bytes)
     assert isinstance(report, CheckpointReport)
-    table, groups, engines = render_report(report).renderables
+    table, groups, _whole, engines = render_report(report).renderables
     assert table.row_count == 1 and "bits/w" in [c.header for c in table.columns]
     assert groups.row_count == 1
     assert [c.header for c in groups.columns] == [
@@ -128,6 +128,6 @@ def test_nvfp4_with_an_fp8_kv_cache(tmp_path: Path) -> None:
     verdicts = {v.engine: v for v in report.loads_in}
     assert verdicts[vllm_engine(HOPPER)].loads and "KV cache: FlashAttention 3" in verdicts[vllm_engine(HOPPER)].summary
     assert not verdicts[vllm_engine(BLACKWELL)].loads  # per-head scales: FlashAttention 3 only
-    _, groups, _ = render_report(report).renderables
+    _, groups, _, _ = render_report(report).renderables
     assert [c.header for c in groups.columns][:3] == ["scheme", "weights", "activations"]
     assert "KV cache: FP8, static per-KV-head k/v scales" in str(groups.caption)

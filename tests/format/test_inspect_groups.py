@@ -70,7 +70,7 @@ def test_rendered_layers_are_grouped_by_scheme_with_a_summary(tmp_path: Path) ->
     from rich.console import Console
 
     report = inspect_checkpoint(_mixed_checkpoint(tmp_path / "c"))
-    layers, groups, engines = render_report(report).renderables
+    layers, groups, _whole, engines = render_report(report).renderables
     assert layers.row_count == 6 and groups.row_count == 3 and engines.row_count == len(report.loads_in)
     console = Console(width=200, record=True)
     console.print(render_report(report))

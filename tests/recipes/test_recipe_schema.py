@@ -274,7 +274,7 @@ RULES = [
         "output:\n  directory: out/x\n  force: false",
         "output: 3",
         "output",
-        "expected a mapping with keys directory, force, formats, got int 3",
+        "expected a mapping with keys directory, force, formats, gguf, got int 3",
         "mapping",
     ),
     # choices

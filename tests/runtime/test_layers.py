@@ -61,8 +61,8 @@ def test_rope_inv_freq_matches_transformers(cfg: dict) -> None:
 
 
 def test_rope_rejects_unsupported_types() -> None:
-    with pytest.raises(QuantkitError, match="yarn"):
-        RopeConfig.from_hf({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(QuantkitError, match="longrope"):
+        RopeConfig.from_hf({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_rotary_matches_hf_apply() -> None:

@@ -9,7 +9,18 @@ import importlib
 from quantkit.quantization.methods import registry
 
 # In registration order (which orders algorithms of the same role, and the method spellings).
-ALGORITHM_MODULES = ("rtn", "gptq", "awq", "smoothquant", "float_targets", "tune", "rotation", "head_refit")
+ALGORITHM_MODULES = (
+    "rtn",
+    "gptq",
+    "awq",
+    "smoothquant",
+    "float_targets",
+    "tune",
+    "rotation",
+    "head_refit",
+    "head_quant",
+    "embed_quant",
+)
 
 for _name in ALGORITHM_MODULES:
     importlib.import_module(f"{__name__}.{_name}")

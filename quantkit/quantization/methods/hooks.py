@@ -139,7 +139,13 @@ class Hooks:
     def final_tensors(
         self, config: Any, job: JobView, work: WorkView, outer: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """Tensors outside the blocks to write instead of ``outer``'s (or the source's), after the last block."""
+        """Tensors outside the blocks to write instead of ``outer``'s (or the source's), after the last block; a
+        name mapped to None is not written (a weight written in another form, e.g. packed)."""
+        return {}
+
+    def outer_schemes(self, config: Any, job: JobView) -> dict[str, QuantScheme]:
+        """Modules outside the blocks that :meth:`final_tensors` writes quantized (full name -> scheme), for the
+        checkpoint's ``quantization_config``."""
         return {}
 
     def log(self, config: Any, state: Any) -> dict[str, Any]:

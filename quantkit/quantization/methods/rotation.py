@@ -98,6 +98,11 @@ class JobRotation:
 def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: SourceWeights) -> JobRotation:
     """The rotation of a job, checked against the model before any work: the first block and the final norm must
     fold, or a QuantkitError names the module that blocks it."""
+    if arch.mixers:  # the fold walks one block layout; a hybrid model's layers have two
+        raise QuantkitError(
+            f"--rotate is not defined for {arch.family}: its layers mix two token mixers (config.json layer_types) "
+            "and rotations fold into one block layout; quantize it without --rotate"
+        )
     skeleton = build_skeleton(source)
     matrices = rotations_for(config, skeleton.config)
     final_norm = get_module(skeleton, arch.final_norm_path)

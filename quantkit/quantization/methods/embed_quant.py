@@ -1,0 +1,81 @@
+"""Embedding quantization (``--quantize-embedding``): the token table written as a quantized embedding
+(compressed-tensors ``pack-quantized``, packed along the hidden size like a Linear's weight), rounded to nearest
+with a range search per group: a lookup has no input statistics to weigh the rounding by.
+
+vLLM loads a quantized embedding for symmetric INT weights per channel or in groups, for lookups only
+(``quantkit.format.outer_engines``): an embedding tied to the head is refused (quantizing it would quantize the head
+through the same matrix, which vLLM's quantized embedding cannot serve); with ``--rotate hadamard`` the head is
+untied and the rotated table is the one quantized. The blocks are calibrated on the float table's rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.format.engines import layout_problem
+from quantkit.format.outer_engines import embedding_problem
+from quantkit.format.scheme import QuantScheme
+from quantkit.format.tensors import linear_tensors
+from quantkit.model.source_weights import config_json, head_is_tied
+from quantkit.quantization.methods.head_quant import OFF, head_scheme
+from quantkit.quantization.methods.hooks import Hooks, JobView, WorkView
+from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
+from quantkit.quantization.solvers.grid import quantize_rtn
+
+
+@dataclass(frozen=True)
+class EmbedQuantConfig:
+    scheme: str = option(
+        OFF,
+        "Quantize the embedding (an untied one, or with --rotate hadamard): none, int8, w4g64, w<bits>g<group>.",
+        flag="--quantize-embedding",
+    )
+
+    def __post_init__(self) -> None:
+        head_scheme(self.scheme, "rtn")  # the same spellings as --quantize-head, checked before any work
+
+    @property
+    def resolved(self) -> QuantScheme | None:
+        return head_scheme(self.scheme, "rtn")
+
+
+class _Hooks(Hooks):
+    def prepare(self, config: Any, job: JobView) -> None:
+        scheme = config.resolved
+        if scheme is None:
+            return
+        if not job.unties_head and head_is_tied(job.source, f"{job.arch.lm_head_path}.weight", job.weights):
+            raise QuantkitError(
+                f"--quantize-embedding needs an untied embedding, and '{job.model}' ties its head to it (the head "
+                "would be quantized too, which vLLM's quantized embedding cannot serve); add --rotate hadamard "
+                "(which unties them) or drop --quantize-embedding"
+            )
+        hidden = int(config_json(job.source)["hidden_size"])
+        problem = layout_problem(scheme, hidden) or embedding_problem(scheme)
+        if problem is not None:
+            raise QuantkitError(f"--quantize-embedding {config.scheme}: {problem}")
+
+    def final_tensors(
+        self, config: Any, job: JobView, work: WorkView, outer: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor | None]:
+        scheme = config.resolved
+        if scheme is None:
+            return {}
+        name = f"{job.arch.embed_path}.weight"
+        table = outer[name] if name in outer else job.weights.get(name)
+        quantized = quantize_rtn(table, scheme, scale_dtype=job.storage)
+        return {name: None, **linear_tensors(job.arch.embed_path, quantized, job.storage)}
+
+    def outer_schemes(self, config: Any, job: JobView) -> dict[str, QuantScheme]:
+        scheme = config.resolved
+        return {} if scheme is None else {job.arch.embed_path: scheme}
+
+
+SWITCH = Switch("field", field="scheme", off=OFF)
+CAPS = Capabilities(needs_calibration=False)
+SUMMARY = "embedding quantization: the untied token table written quantized (round-to-nearest)"
+ALGORITHM = register("embed_quant", EmbedQuantConfig, Role.HEAD, _Hooks(), switch=SWITCH, caps=CAPS, summary=SUMMARY)

@@ -95,9 +95,13 @@ def quantkit_mix(model: str, mix: str, method: str, out: Path, windows: int | No
     run([*cmd, "-o", out], out.with_name(out.name.removeprefix("partial-")).with_suffix(".log"))
 
 
+def paired_json(path: Path, against: Path) -> Path:
+    return path.with_suffix(f".vs-{against.stem}.json")
+
+
 def paired(path: Path, against: Path, model: str) -> dict[str, object]:
     """``quantkit eval path --compare against``: the paired perplexity difference per window, with its verdict."""
-    out = path.with_suffix(f".vs-{against.stem}.json")
+    out = paired_json(path, against)
     if not out.exists():
         cmd = [sys.executable, "-m", "quantkit", "eval", path, "--compare", against, "--reference", model]
         run([*cmd, "--json", out], path.with_suffix(f".vs-{against.stem}.log"))
@@ -119,6 +123,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--imatrix-chunks", type=int, default=128, help="as quantkit's 128 calibration windows")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--no-paired", action="store_true", help="skip quantkit eval's paired comparisons")
+    parser.add_argument("--no-speed", action="store_true", help="skip llama-bench")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and commands here")
     parser.add_argument("--record", default=None, help="record the table as benchmarks/results/<name>.json")
     return parser.parse_args(argv)
@@ -240,11 +245,11 @@ def main(argv: list[str] | None = None) -> int:
                 )
             )
         ours, theirs = files[f"quantkit {args.method}"][0], files["llama.cpp + imatrix"][0]
-        if not args.no_paired:
+        if not args.no_paired or paired_json(ours, theirs).exists():  # --no-paired: only comparisons already made
             verdicts[f"{mix} quantkit {args.method}"] = _verdict_text(paired(ours, theirs, args.model))
         if mix == "Q4_K_M":
             pair_for_speed = [files["llama.cpp"][0], ours]
-    speeds = speed(tools, pair_for_speed, args) if pair_for_speed else []
+    speeds = speed(tools, pair_for_speed, args) if pair_for_speed and not args.no_speed else []
     rows = table_rows(scored, verdicts)
     print_table(rows)
     for s in speeds:

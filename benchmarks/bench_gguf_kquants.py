@@ -72,7 +72,9 @@ def score(tools: dict[str, Path], path: Path, base: Path, text: Path, args: argp
     cmd = [tools["llama-perplexity"], "-m", path, "-f", text, "-c", args.ctx, "-b", args.ctx, "-t", args.threads]
     cmd += ["--chunks", args.chunks, "--kl-divergence-base", base, "--kl-divergence"]
     log = path.with_suffix(".kld.log")
-    output = log.read_text() if log.exists() else run(cmd, log)
+    finished = log.exists() and "Same top p" in (output := log.read_text())  # a killed run's log is redone
+    if not finished:
+        output = run(cmd, log)
     ppl, ppl_err = _number(r"Mean PPL\(Q\)\s*:\s*([\d.]+)\s*±\s*([\d.]+)", output, path)
     kl, kl_err = _number(r"Mean\s+KLD:\s*([\d.]+)\s*±\s*([\d.]+)", output, path)
     (p99,) = _number(r"99\.0%\s+KLD:\s*([\d.]+)", output, path)
@@ -215,6 +217,46 @@ def _verdict_text(report: dict[str, object]) -> dict[str, object]:
     return {"text": text, "raw": comparison}
 
 
+def record_notes(scored: list[Scored], verdicts: dict[str, dict[str, object]], speeds: list[dict]) -> list[str]:
+    """The recorded table's notes, from the measurements themselves (a re-record keeps them)."""
+    notes = []
+    by_mix: dict[str, dict[str, Scored]] = {}
+    for s in scored:
+        by_mix.setdefault(s.mix, {})[s.maker] = s
+    gaps = [
+        abs(ours.bytes - theirs.bytes) / theirs.bytes
+        for makers in by_mix.values()
+        for maker, ours in makers.items()
+        if maker.startswith("quantkit") and (theirs := makers.get("llama.cpp + imatrix")) is not None
+    ]
+    if gaps:
+        notes.append(
+            f"Same mix, same tensor types: every quantkit file is within {100 * max(gaps):.4f}% of llama.cpp's "
+            "imatrix file's size (metadata only)."
+        )
+    notes.append(
+        "llama-perplexity's ± is each file's own standard error over chunks, not a paired one; the paired column "
+        "is quantkit eval's per-window comparison of quantkit's file with llama.cpp's imatrix file (40 windows of "
+        "512 tokens, 95% interval)."
+    )
+    for label, verdict in verdicts.items():
+        kl = verdict["raw"].get("kl_difference") if isinstance(verdict.get("raw"), dict) else None
+        if isinstance(kl, dict):
+            notes.append(
+                f"{label}: paired KL difference {kl['mean']:+.4f} ± {kl['se']:.4f} ({kl['verdict']}) against "
+                "llama.cpp's imatrix file."
+            )
+    times = [f"{s.label} {s.seconds_to_make:.0f} s" for s in scored if s.seconds_to_make is not None]
+    if times:
+        notes.append("Time to make (this run; the machine was shared, not a clean timing): " + ", ".join(times) + ".")
+    notes += [
+        f"llama-bench {Path(str(s['model_filename'])).name}: pp{s['n_prompt']}/tg{s['n_gen']} "
+        f"{float(s['avg_ts']):.1f} ± {float(s['stddev_ts']):.1f} tokens/s"
+        for s in speeds
+    ]
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from quantkit.data.sources import DEFAULT_EVALUATION
@@ -265,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         from benchmarks.record import record_table
 
-        notes = [
-            f"llama-bench {Path(str(s['model_filename'])).name}: pp{s['n_prompt']}/tg{s['n_gen']} "
-            f"{float(s['avg_ts']):.1f} ± {float(s['stddev_ts']):.1f} tokens/s"
-            for s in speeds
-        ]
+        notes = record_notes(scored, verdicts, speeds)
         record_table(
             args.record,
             title="llama.cpp K-quant mixes solved by GPTQ",

@@ -34,13 +34,9 @@ def tiny_bos_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_calib_file(tiny_model_dir, tmp_path_factory) -> Path:
     """4 x 32 calibration windows of real text for the tiny models (they share one tokenizer)."""
-    from quantkit.data.calibration import CalibrationConfig, build_calibration
+    from helpers.tiny import tiny_calibration
 
-    text = tmp_path_factory.mktemp("tiny_calib") / "text.txt"
-    text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:20000])
-    out = text.with_name("calib.safetensors")
-    build_calibration(str(tiny_model_dir), CalibrationConfig(dataset=str(text), num_samples=4, seq_len=32), output=out)
-    return out
+    return tiny_calibration(tiny_model_dir, tmp_path_factory.mktemp("tiny_calib"), 4)
 
 
 @pytest.fixture(scope="session")

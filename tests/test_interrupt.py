@@ -108,25 +108,24 @@ def _quantize_command(model: Path, calib: Path, out: Path, *extra: str) -> list[
 
 @pytest.mark.slow
 def test_a_real_sigint_to_quantize_stops_after_a_finished_block_and_resume_completes(tmp_path, tiny_calib_file):
-    """SIGINT to `python -m quantkit quantize` once a block is on disk (8 tiny blocks, so it comes mid-run)."""
+    """SIGINT to `python -m quantkit quantize` once a block is on disk: the run is held at its first state commit
+    (QUANTKIT_STALL) so that the signal lands mid-run however fast the tiny blocks go on a loaded machine."""
     from helpers.tiny import save_tiny_model
 
     model = save_tiny_model(tmp_path / "model", num_hidden_layers=8)
     out = tmp_path / "out"
     state = tmp_path / "out.partial" / "state.json"
-    env = {k: v for k, v in os.environ.items() if k != "QUANTKIT_FAULT"}
+    gate = tmp_path / "hold"
+    gate.touch()
+    env = {k: v for k, v in os.environ.items() if k != "QUANTKIT_FAULT"} | {"QUANTKIT_STALL": f"state-written={gate}"}
     proc = subprocess.Popen(
         _quantize_command(model, tiny_calib_file, out), env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE
     )
+    reached = gate.with_name(gate.name + ".reached")
     deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if json.loads(state.read_text())["finished"] >= 1:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
+    while time.monotonic() < deadline and proc.poll() is None and not reached.exists():
         time.sleep(0.01)
-    assert proc.poll() is None, "quantize ended before it could be interrupted"
+    assert proc.poll() is None and reached.exists(), "quantize never reached its first state commit"
     proc.send_signal(signal.SIGINT)
     _, stderr = proc.communicate(timeout=120)
     err = stderr.decode()
@@ -138,6 +137,7 @@ def test_a_real_sigint_to_quantize_stops_after_a_finished_block_and_resume_compl
     done = int(found.group(1))
     assert 1 <= done <= 8 and json.loads(state.read_text())["finished"] == done
 
+    gate.unlink()  # the resumed run goes through
     resumed = subprocess.run(
         _quantize_command(model, tiny_calib_file, out, "--resume", "--json", str(tmp_path / "result.json")),
         env=env,

@@ -54,8 +54,10 @@ def run_gguf_quantize(
     from quantkit.model.resolve import resolve_model
     from quantkit.quantization.gguf.driver import GGUFOutputConfig, check_output, quantize_to_gguf
     from quantkit.quantization.gguf.mixes import mix_of
-    from quantkit.quantization.gguf.solve import METHODS, SolveSettings
+    from quantkit.quantization.gguf.solve import FLOAT_TARGETS_REFUSED, METHODS, SolveSettings
+    from quantkit.quantization.methods.float_targets import FloatTargetsConfig
     from quantkit.quantization.methods.gptq import GPTQConfig
+    from quantkit.quantization.methods.rotation import RotationConfig
     from quantkit.quantization.methods.rtn import RTNConfig
     from quantkit.quantization.options import config_from_options
 
@@ -75,10 +77,18 @@ def run_gguf_quantize(
 
         check_target(float(target_bpw or 0))
     config = config_from_options(job_values, calibration=calibration, calibration_file=calibration_file)
-    others = [type(c).__name__ for c in config.solvers if not isinstance(c, (GPTQConfig, RTNConfig))]
+    others = [type(c).__name__ for c in config.solvers if not isinstance(c, (GPTQConfig, RTNConfig, RotationConfig))]
+    rotation = next((c for c in config.solvers if isinstance(c, RotationConfig)), None)
+    if any(isinstance(c, FloatTargetsConfig) for c in config.solvers):
+        raise QuantkitError(f"--float-targets does not apply to --format gguf:{mix}: {FLOAT_TARGETS_REFUSED}")
     if config.method not in METHODS or others:
         got = ", ".join(others) or config.method
         raise QuantkitError(f"--format gguf:{mix} solves with --method {' or '.join(METHODS)} alone; got {got}")
+    if rotation is not None and auto:
+        raise QuantkitError(
+            "--rotate does not apply to --format gguf:auto: the budget is measured on the unrotated model with its "
+            "head tied; name a mix (e.g. --format gguf:Q4_K_M)"
+        )
     unsupported = [flag for flag, on in _UNSUPPORTED.items() if on(config)]
     if unsupported:
         raise QuantkitError(f"{unsupported[0]} does not apply to --format gguf:{mix} (not supported for GGUF output)")
@@ -98,6 +108,7 @@ def run_gguf_quantize(
         force=config.force,
         device=config.device,
         show_progress=config.show_progress,
+        rotation=rotation,
     )
     budget = None
     if auto:
@@ -122,7 +133,8 @@ def run_gguf_quantize(
 
 
 def _result_table(model: str, result: Any) -> Table:
-    table = Table(title=f"Quantized {model} -> {result.output} (GGUF {result.mix})", title_justify="left")
+    folded = "" if result.rotation == "none" else f", {result.rotation} rotation folded in"
+    table = Table(title=f"Quantized {model} -> {result.output} (GGUF {result.mix}{folded})", title_justify="left")
     columns = ["method", "tensors", "fallbacks to RTN", "seconds", "peak RSS MB", "file MB"]
     for column in columns:
         table.add_column(column, justify="right")

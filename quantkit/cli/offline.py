@@ -202,7 +202,9 @@ def quantize(
             "--format",
             help="Also export: gptq (<out>-gptq/) or gguf (<out>.gguf); repeatable. Or gguf:<MIX> alone (Q4_K_M, "
             "Q5_K_M, Q6_K, Q3_K_M, Q2_K, ...: llama.cpp's mixes, solved on their own grids): -o names the .gguf "
-            "file, which is the checkpoint; gguf:auto with --target-bpw chooses each tensor's type.",
+            "file, which is the checkpoint; gguf:auto with --target-bpw chooses each tensor's type. With --rotate "
+            "hadamard the rotation folds into the file, whose head is then untied (output.weight): SmolLM2-135M's "
+            "Q4_K_M tensors grow from 103.7 to 123.1 MB (+19.5 MB, +19%).",
         ),
     ] = None,
     target_bpw: Annotated[

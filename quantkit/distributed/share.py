@@ -3,11 +3,13 @@ waits on a partner that is not coming).
 
 ``gather_rows`` / ``scatter_rows``: the calibration rows of each rank to and from rank 0 (which keeps the work
 directory); ``exchange_partials``: the per-rank partial sums of :mod:`.reduce` to the ranks that need the total;
-``broadcast_object``: a solved weight from the rank that solved it to every rank.
+``broadcast_object``: a solved weight from the rank that solved it to every rank; ``broadcast_tensors_`` a block's
+weights from one rank; ``all_max_``: an exact elementwise maximum over ranks.
 """
 
 from __future__ import annotations
 
+import io
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,10 +23,17 @@ _CPU = torch.device("cpu")
 
 
 def broadcast_object(obj: Any, src: int) -> Any:
-    """``obj`` from rank ``src`` on every rank (pickled; tensors inside must be on the CPU)."""
-    box = [obj]
+    """``obj`` from rank ``src`` on every rank (tensors inside must be on the CPU). Sent in ``torch.save``'s format:
+    plain pickle, which ``broadcast_object_list`` uses, cannot load a float8 tensor back (an FP8 weight)."""
+    sending = dist.get_rank() == src
+    payload = None
+    if sending:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        payload = buffer.getvalue()
+    box = [payload]
     dist.broadcast_object_list(box, src=src, device=_CPU)
-    return box[0]
+    return obj if sending else torch.load(io.BytesIO(box[0]), weights_only=False)
 
 
 def all_gather_object(obj: Any, context: DistContext) -> list[Any]:
@@ -45,7 +54,8 @@ def gather_rows(local: torch.Tensor, counts: Sequence[int], context: DistContext
     """The rows of every rank stacked in rank order on ``dst`` (None elsewhere); rank r holds ``counts[r]`` rows."""
     local = local.contiguous()
     if context.rank != dst:
-        dist.send(local, dst)
+        if counts[context.rank]:  # rank ``dst`` receives nothing from a rank with no rows
+            dist.send(local, dst)
         return None
     full = torch.empty((sum(counts), *local.shape[1:]), dtype=local.dtype, device=local.device)
     start = 0
@@ -108,3 +118,16 @@ def exchange_partials(
             if keep:
                 parts.append((node, value))
     return parts if keep else None
+
+
+def broadcast_tensors_(tensors: Sequence[torch.Tensor], src: int) -> None:
+    """Overwrite each of ``tensors`` (in the same order on every rank) with rank ``src``'s values, in place."""
+    for tensor in tensors:
+        dist.broadcast(tensor, src)
+
+
+def all_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, in place, holding the elementwise maximum over every rank's (a maximum does not depend on the
+    order it is taken in: the same bits on any number of ranks)."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor

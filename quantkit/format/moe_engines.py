@@ -36,7 +36,12 @@ gpt-oss: vLLM's gpt_oss model builds its fused-MoE layer with ``has_bias=True`` 
 clamped SwiGLU), and picks the quantization method by the same ``get_moe_method``; the rules above apply unchanged
 (the expert biases stay float beside the packed weights). The hub model's hidden size 2880 is not a multiple of the
 Marlin MoE tile (128), so integer experts of gpt-oss-20b/120b are refused here (vLLM pads gpt-oss's hidden size on
-its MXFP4 path only); a per-expert integer gpt-oss checkpoint has not been loaded in vLLM by quantkit's tests.
+its MXFP4 path only). Beyond the kernel rules, vLLM's gpt_oss ``load_weights`` (docs of 2026-09) sends every checkpoint
+that is neither MXFP4 nor Quark to ``_load_weights_other``, which reads the experts fused (3-D ``w13_weight`` /
+``w2_weight`` and biases) or per expert under fused parameter names through its streamed-expert suffix table; per-expert
+``gate_proj`` / ``up_proj`` / ``down_proj`` with ``weight_packed``, as quantkit and llm-compressor write them, are not
+in that table (a third-party plugin, zentorch, patches packed suffixes in). So vLLM's rows for a gpt-oss checkpoint
+give the kernel only: the loader does not take integer gpt-oss experts yet, and quantkit's runtime serves them.
 
 Sources (read 2026-11, vLLM main after vllm#44025): ``model_executor/layers/quantization/compressed_tensors/``
 ``compressed_tensors_moe/compressed_tensors_moe.py`` (``get_moe_method``) and the method files beside it

@@ -139,7 +139,8 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
         norm_offset=1.0,
         partial_rotary=True,
         gguf_arch=None,
-        moe=MoESpec(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate"),
+        # its router always renormalises the top-k weights (transformers' Qwen3_5MoeTopKRouter; no norm_topk_prob key)
+        moe=MoESpec(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate", renormalize_key=None),
         mixers=(
             Mixer(
                 "full_attention",

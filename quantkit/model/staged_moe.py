@@ -49,6 +49,10 @@ class ExpertInputs:
         self.mode = mode
         self.counts = torch.zeros(len(moe.expert_modules()), dtype=torch.int64)
         self.tokens = 0  # calibration tokens routed (each one to top-k experts)
+        self.selected: tuple[int, torch.Tensor] | None = None  # the last routed selection: (expert, row mask)
+        # another block's inputs whose routed selections this one takes over, batch by batch (the float block run
+        # beside the quantized one: each expert's float moments on the very rows its Hessian sums)
+        self.follow: ExpertInputs | None = None
 
     def count(self, x: torch.Tensor) -> None:
         """Add one mini-batch's routing to :attr:`counts` (call once per batch over the calibration set)."""
@@ -59,8 +63,15 @@ class ExpertInputs:
     def _routed_rows(self, x: torch.Tensor, expert: int) -> torch.Tensor:
         """The rows of ``x`` [b, T, H] the router sends to ``expert``, as [n, H]."""
         flat = x.reshape(-1, x.shape[-1])
-        _, chosen = self.moe.route(flat)
-        return flat[(chosen == expert).any(dim=-1)]
+        if self.follow is not None:
+            # the followed block selected this batch's rows for ``expert`` just before
+            assert self.follow.selected is not None and self.follow.selected[0] == expert, "no selection to follow"
+            mask = self.follow.selected[1]
+        else:
+            _, chosen = self.moe.route(flat)
+            mask = (chosen == expert).any(dim=-1)
+        self.selected = (expert, mask)
+        return flat[mask]
 
     def gate_up(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """Expert ``key``'s gate/up inputs: the rows routed to it (routed calibration only)."""

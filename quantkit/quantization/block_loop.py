@@ -77,6 +77,8 @@ class BatchShare:
     first: int = 0
     total: int | None = None
     finish: Callable[[Stage, Partials, int], tuple[Partials | None, int]] | None = None
+    # every process's partials of one more sum (a companion's), on the processes that get the Hessian (else None)
+    exchange: Callable[[Stage, Partials], Partials | None] | None = None
 
 
 def stage_hessians(
@@ -105,22 +107,41 @@ def stage_hessians(
     for stage in staged.stages:
         k = get_module(staged.block, stage.head).in_features
         tree = BatchTree(total, first_chunk, chunks_of(share.first + local)) if with_hessian else None
-        count = _accumulate(staged, stage, k, tree, companions, share.first, batches)
-        stage_data = [companion.close_stage() for companion in companions]
+        sums: list[dict[str, BatchTree]] = [{} for _ in companions]  # a summing companion's sums, by key
+        count = _accumulate(staged, stage, k, tree, companions, share.first, batches, sums)
         hessian = None
         if tree is not None:
             parts: Partials | None = tree.nodes()
             if share.finish is not None:
                 parts, count = share.finish(stage, tree.nodes(), count)
+            for companion, trees in zip(companions, sums, strict=True):
+                if hasattr(companion, "take_chunk"):
+                    companion.put_totals(_companion_totals(trees, stage, share, total, parts is not None), count)
             if parts is not None:
                 hessian = _hessian_or_unseen(staged, stage, HessianStat(combine(parts, total), count), k)
             elif count == 0:
                 staged.unseen_stages.add(stage.name)
             del parts
-        del tree
+        stage_data = [companion.close_stage() for companion in companions]
+        del tree, sums
         release_freed_memory()  # the stage's mini-batch temporaries, before the solver allocates its own
         yield stage, hessian, stage_data
         del hessian, stage_data  # not held while the next stage's inputs are computed
+
+
+def _companion_totals(
+    trees: dict[str, BatchTree], stage: Stage, share: BatchShare, total: int, wanted: bool
+) -> dict[str, torch.Tensor] | None:
+    """A summing companion's sums over every mini-batch (every process's, in the Hessians' order), on a process
+    that gets the stage's Hessian (``wanted``); None on the others."""
+    out = {}
+    for key in sorted(trees):  # the same keys, in the same order, on every process
+        parts: Partials | None = trees[key].nodes()
+        if share.exchange is not None:
+            parts = share.exchange(stage, trees[key].nodes())
+        if parts is not None:
+            out[key] = combine(parts, total)
+    return out if wanted else None
 
 
 def _hessian_or_unseen(staged: StagedBlock, stage: Stage, stat: HessianStat, k: int) -> torch.Tensor:
@@ -139,13 +160,16 @@ def _accumulate(
     k: int,
     tree: BatchTree | None,
     companions: Sequence[Companion],
-    first: int = 0,
-    batches: int = 0,
+    first: int,
+    batches: int,
+    sums: Sequence[dict[str, BatchTree]],
 ) -> int:
     """Run a stage over every mini-batch (``first`` is the first one's index of all ``batches``), summing the Gram
     matrices of each chunk's batches into one statistic and pushing it into ``tree`` when the chunk is complete, and
-    showing the inputs to each companion beside its own; returns the rows seen. The last input (it may be a view of
-    a reused [rows, intermediate] buffer) goes out of scope on return, before the solver runs.
+    showing the inputs to each companion beside its own; returns the rows seen. A summing companion's sums
+    (:class:`~quantkit.quantization.methods.hooks.SummingCompanion`) are taken at the same chunk ends and pushed
+    into its trees in ``sums``. The last input (it may be a view of a reused [rows, intermediate] buffer) goes out
+    of scope on return, before the solver runs.
 
     One inference-mode context spans every generator: each enters its own, and they finish in another order than
     they started, which would otherwise leave inference mode switched on after the call.
@@ -155,18 +179,23 @@ def _accumulate(
     with torch.inference_mode():
         own = [companion.open_stage(staged, stage, k) for companion in companions]
         for index, (rows, x) in enumerate(zip(staged.batches(), staged.stage_inputs(stage.name), strict=True)):
+            batch = first + index
             if tree is not None:
-                batch = first + index
                 if chunk is None:
                     with torch.inference_mode(False):  # a normal tensor: the Hessian is made from it in place later
                         chunk = HessianStat.zeros(k, device=staged.hidden.device)
                 chunk.update(x)
-                if batch % CHUNK_BATCHES == CHUNK_BATCHES - 1 or batch == batches - 1:
-                    tree.push(chunk.gram)
-                    count += chunk.count
-                    chunk = None
             for companion, inputs in zip(companions, own, strict=True):
                 companion.observe(staged, stage, rows, x, next(inputs))
+            if tree is not None and (batch % CHUNK_BATCHES == CHUNK_BATCHES - 1 or batch == batches - 1):
+                assert chunk is not None
+                tree.push(chunk.gram)
+                count += chunk.count
+                chunk = None
+                for companion, trees in zip(companions, sums, strict=True):
+                    if hasattr(companion, "take_chunk"):
+                        for key, value in companion.take_chunk().items():
+                            trees.setdefault(key, BatchTree(tree.total, tree.first, tree.stop)).push(value)
         for inputs in own:
             for _ in inputs:  # runs the companion's stage to its end (its state for the next stage)
                 raise AssertionError("a companion yielded more mini-batches than the quantized block")

@@ -6,8 +6,11 @@ same bits; each stage's Hessian is summed in the fixed
 order of :mod:`quantkit.distributed.reduce` and sent to the ranks that solve the stage; the stage's solves are
 spread over the ranks by cost (:mod:`quantkit.distributed.plan`) and each result broadcast, so every rank goes on
 with the same quantized block. Rank 0 alone keeps the work directory: it gathers every rank's rows of a block's
-output to save them, and hands them out again on ``--resume``. Only a solver alone runs distributed
-(:func:`check_distributable`); the other algorithms are refused in one line.
+output to save them, and hands them out again on ``--resume`` (the float model's rows too, where the run carries
+them). A transform (AWQ, SmoothQuant) runs on rank 0 on the windows it reads, gathered from every rank, and rank 0's
+transformed block is broadcast; a target's sums (float targets) are added up in the Hessians' fixed order; maxima
+(static input scales, KV cache scales) are exact in any order; tuning runs on rank 0 on every window, gathered, and
+its weights are broadcast. What does not run distributed yet is refused in one line (:func:`check_distributable`).
 """
 
 from __future__ import annotations
@@ -28,26 +31,18 @@ from quantkit.format.scheme import QuantizedWeight
 from quantkit.model.architectures import Stage
 from quantkit.quantization.block_loop import BatchShare, Partials
 from quantkit.quantization.config import QuantizeConfig
-from quantkit.quantization.methods.registry import Role
 
 UNDISTRIBUTED_HINT = "run it as one process (plain `quantkit quantize`)"
 
 
 def check_distributable(config: QuantizeConfig, context: DistContext) -> None:
-    """Refuse, before any work, what does not run on several processes yet: every algorithm but the weight solver
-    (rotation, AWQ, SmoothQuant, float targets, tuning, head refit), static input scales and a KV cache scheme."""
-    others = [s.name for s in config.steps if s.algorithm.role != Role.SOLVER]
-    what = []
-    if others:
-        what.append(", ".join(others))
-    if config.kv_cache_scheme is not None:
-        what.append("--kv-cache-scheme")
-    if config.static_inputs:
-        what.append("static input scales")
-    if what:
+    """Refuse, before any work, what does not run on several processes yet: the MSE observer's row sample of routed
+    experts (each rank's first sampled row depends on how many tokens the router sent the experts on the ranks
+    before it)."""
+    if config.static_inputs and config.activation_observer == "mse" and config.moe_calibration == "routed":
         raise SameOnEveryRank(
-            f"{' and '.join(what)} cannot run on {context.world} processes yet (only a weight solver alone, rtn or "
-            f"gptq, runs distributed); {UNDISTRIBUTED_HINT}"
+            f"static input scales by the mse observer under --moe-calibration routed cannot run on {context.world} "
+            f"processes yet; use --activation-observer minmax or --moe-calibration all, or {UNDISTRIBUTED_HINT}"
         )
 
 
@@ -104,9 +99,35 @@ class RankBlocks:
 
         def finish(stage: Stage, own: Partials, count: int) -> tuple[Partials | None, int]:
             total_count = int(comm.all_sum(count))
-            return comm.exchange_partials(own, self.ranges, self.chunks, holders(stage), self.context), total_count
+            return exchange(stage, own), total_count
 
-        return BatchShare(first=self.ranges[self.rank][0] * CHUNK_BATCHES, total=self.batches, finish=finish)
+        def exchange(stage: Stage, own: Partials) -> Partials | None:
+            return comm.exchange_partials(own, self.ranges, self.chunks, holders(stage), self.context)
+
+        first = self.ranges[self.rank][0] * CHUNK_BATCHES
+        return BatchShare(first=first, total=self.batches, finish=finish, exchange=exchange)
+
+    def gather_first(self, local: torch.Tensor, count: int | None) -> torch.Tensor | None:
+        """The first ``count`` windows of all (None: every one), from the ranks that hold them, on rank 0 (None on
+        the others): what a transform reads, for rank 0 to transform the block on."""
+        count = sum(self.windows) if count is None else min(count, sum(self.windows))
+        counts, start = [], 0
+        for held in self.windows:
+            counts.append(max(0, min(held, count - start)))
+            start += held
+        return comm.gather_rows(local[: counts[self.rank]], counts, self.context)
+
+    def share_block(self, block: torch.nn.Module) -> None:
+        """Rank 0's float weights of ``block`` on every rank (after rank 0 alone transformed it)."""
+        comm.broadcast_tensors_([p.data for _, p in sorted(block.named_parameters())], 0)
+
+    def all_max_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor``, in place, the elementwise maximum over ranks (exact: the same bits as on one process)."""
+        return comm.all_max_(tensor)
+
+    def all_gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (small, picklable; tensors on the CPU), in rank order."""
+        return comm.all_gather_object(value, self.context)
 
     def owners(self, costs: list[int]) -> list[int]:
         return assign(costs, self.context.world)
@@ -119,6 +140,14 @@ class RankBlocks:
             received = comm.broadcast_object(sent, owner)
             out.append(result if owner == self.rank else [(_moved(w, device), r) for w, r in received])
         return out
+
+    def share_weights(
+        self, weights: dict[str, QuantizedWeight] | None, device: torch.device
+    ) -> dict[str, QuantizedWeight]:
+        """Rank 0's quantized ``weights`` (None on the others) on every rank, on ``device``."""
+        sent = None if weights is None else {name: _moved(w, torch.device("cpu")) for name, w in weights.items()}
+        received = comm.broadcast_object(sent, 0)
+        return weights if self.context.is_main else {name: _moved(w, device) for name, w in received.items()}
 
     def sum_counts(self, counts: torch.Tensor) -> torch.Tensor:
         return comm.all_sum(counts).to(counts.dtype)

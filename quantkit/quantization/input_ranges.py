@@ -55,14 +55,15 @@ class InputRangeObserver:
     quantized block's inputs stage by stage; ``sample_every`` keeps every n-th token row for the MSE search (0:
     no sample)."""
 
-    def __init__(self, sample_every: int) -> None:
+    def __init__(self, sample_every: int, first_row: int = 0) -> None:
         self.sample_every = sample_every
+        self.first_row = first_row  # several processes: the index of this one's first token row of all
         self._absmax = 0.0
         self._rows: list[torch.Tensor] = []
-        self._seen = 0
+        self._seen = first_row
 
     def open_stage(self, staged: StagedBlock, stage: Stage, in_features: int) -> Iterator[None]:
-        self._absmax, self._rows, self._seen = 0.0, [], 0
+        self._absmax, self._rows, self._seen = 0.0, [], self.first_row
         for _ in staged.batches():
             yield None
 
@@ -71,7 +72,9 @@ class InputRangeObserver:
         self._absmax = max(self._absmax, float(flat.abs().amax()))
         if self.sample_every:
             start = (-self._seen) % self.sample_every  # the global row index stays a multiple of the stride
-            self._rows.append(flat[start :: self.sample_every].float().cpu())
+            # a copy: the inputs may live in a buffer the next mini-batch overwrites (down_proj's), and on the CPU
+            # neither .float() of float32 nor .cpu() copies
+            self._rows.append(flat[start :: self.sample_every].to("cpu", torch.float32, copy=True))
         self._seen += flat.shape[0]
 
     def close_stage(self) -> InputRange:
@@ -82,6 +85,14 @@ class InputRangeObserver:
 
     def float_output(self) -> torch.Tensor:
         raise RuntimeError("an input observer follows the quantized block only: it has no float output")
+
+
+def merge_ranges(ranges: list[InputRange]) -> InputRange:
+    """The range of consecutive shares of the token rows (each process's, in row order): the largest magnitude,
+    and the samples one after the other, as one observer over every row takes them."""
+    samples = [r.sample for r in ranges if r.sample.numel()]
+    sample = torch.cat(samples) if samples else torch.empty(0, 0)
+    return InputRange(max(r.absmax for r in ranges), sample)
 
 
 def sample_stride(total_rows: int, observer: str) -> int:

@@ -29,8 +29,10 @@ from quantkit.quantization.scheme_checks import check_float_layouts, check_kv_ca
 NO_CALIBRATION = "none"
 # Bumped when what the fingerprint hashes changes meaning, so that a work directory of an older quantkit is not
 # resumed as if it were this run's. 4: Hessians summed in a fixed tree over chunks of mini-batches (the same bits
-# for any number of processes), so blocks solved under the older running sum are not mixed into a run.
-FINGERPRINT_FORMAT = 4
+# for any number of processes), so blocks solved under the older running sum are not mixed into a run. 5: the float
+# targets' moments summed in the same tree, and the MSE observer's sample of down_proj's inputs fixed (it held the
+# last batch's rows only on CPU).
+FINGERPRINT_FORMAT = 5
 
 
 @dataclass(slots=True)

@@ -1,6 +1,7 @@
 """Temporary files and directories that runs killed on the way leave beside an output, found and removed by the
 next run on the same output (with a message): the checkpoint writer's ``<out>.tmp-<pid>``, the swap's
-``.<out>.old-<pid>``, and retired work directories ``.<out>.partial.retired-<pid>``.
+``.<out>.old-<pid>``, retired work directories ``.<out>.partial.retired-<pid>``, and a GGUF run's file and work
+directory ``.<out>.tmp-<pid>`` and ``.<out>.work-<pid>``.
 
 Called with the output's lock held (:mod:`quantkit.quantization.output_lock`): no other run is writing beside the
 output then, so every such temporary but this process's own is a dead run's."""
@@ -19,7 +20,7 @@ def leftovers(output: Path) -> list[Path]:
     """The temporaries of earlier runs beside ``output`` (call it holding the output's lock)."""
     output = Path(output)
     name = re.escape(output.name)
-    pattern = re.compile(rf"(?:{name}\.tmp|\.{name}\.old|\.{name}\.partial\.retired)-(\d+)")
+    pattern = re.compile(rf"(?:{name}\.tmp|\.{name}\.(?:old|tmp|work)|\.{name}\.partial\.retired)-(\d+)")
     if not output.parent.is_dir():
         return []
     found = []

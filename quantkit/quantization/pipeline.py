@@ -265,14 +265,15 @@ def _run_blocks(
         run.sample_every = sample_stride(job.calibration.input_ids.numel(), run.input_observer)
         run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
         if ranks is not None:  # this rank's windows: rank 0 hands out the saved input, or each cuts its own
-            saved = work.load_hidden() if finished > 0 and main else None
-            first = _first_input(job, {}, skeleton)[ranks.rows].clone() if finished == 0 else None
-            hidden = ranks.scatter_rows(saved, device) if finished > 0 else first.to(device)  # type: ignore[union-attr]
+            hidden = _rank_input(job, work, finished, ranks, skeleton, device)
         else:
             hidden = work.load_hidden(device) if finished > 0 else _first_input(job, work.load_outer(), skeleton)
             hidden = hidden.to(device)
         if job.steps.keeps_float_path:  # the float model's activations: the targets of tuning and refitting
-            reference = work.load_reference(device) if finished > 0 else hidden.clone()
+            if finished > 0 and ranks is not None:
+                reference = ranks.scatter_rows(work.load_reference() if main else None, device)
+            else:
+                reference = work.load_reference(device) if finished > 0 else hidden.clone()
     visits = walk_blocks(
         skeleton,
         job.arch,
@@ -295,13 +296,29 @@ def _run_blocks(
             done = quantize_block(visit.module, visit.prefix, hidden, schemes, layer_run, reference)
             hidden, reference = done.output, done.reference_output
             saved = hidden if ranks is None or hidden is None else ranks.gather_rows(hidden)  # all windows, rank 0
+            saved_reference = reference if ranks is None or reference is None else ranks.gather_rows(reference)
             if main:
                 tensors = block_tensors(visit.module, visit.prefix, done.weights, job.storage, done.extra)
-                work.save_block(visit.index, tensors, saved, done.records, reference)
+                work.save_block(visit.index, tensors, saved, done.records, saved_reference)
                 del tensors
                 if on_block_done is not None:
                     on_block_done(visit.index)
-            del done, saved
+            del done, saved, saved_reference
+
+
+def _rank_input(
+    job: QuantizeJob, work: WorkDir, finished: int, ranks: RankBlocks, skeleton: torch.nn.Module, device: torch.device
+) -> torch.Tensor:
+    """This rank's rows of the next block's input: the saved one, or the first block's, handed out by rank 0; when
+    no tensor outside the blocks replaces the source's (a rotated embedding, kept by rank 0 alone), each rank cuts
+    its own rows of the source's embedding."""
+    main = ranks.context.is_main
+    if finished > 0:
+        return ranks.scatter_rows(work.load_hidden() if main else None, device)
+    outer = work.load_outer() if main else {}
+    if ranks.decide(bool(outer)):
+        return ranks.scatter_rows(_first_input(job, outer, skeleton) if main else None, device)
+    return _first_input(job, {}, skeleton)[ranks.rows].clone().to(device)
 
 
 def _first_input(job: QuantizeJob, outer: dict[str, torch.Tensor], skeleton: torch.nn.Module) -> torch.Tensor:

@@ -6,6 +6,7 @@ Which algorithm runs where is the job's (:class:`~quantkit.quantization.methods.
 from __future__ import annotations
 
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from quantkit.model.kv_attention import OBSERVE, attention_implementation, kv_sc
 from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians
 from quantkit.quantization.block_work import BlockRun, QuantizedBlock
-from quantkit.quantization.input_ranges import InputRangeObserver
+from quantkit.quantization.input_ranges import InputRangeObserver, merge_ranges
 from quantkit.quantization.methods.hooks import BlockSchemes, BlockWork, SolveJob
 from quantkit.quantization.methods.records import LayerRecord
 from quantkit.quantization.methods.registry import Role
@@ -44,6 +45,7 @@ def quantize_block(
     steps = run.steps
     float_input = hidden if reference is None else reference
     work = BlockWork(block, prefix, schemes, run.arch, run.storage, run.runner, hidden, float_input)
+    work.moe_calibration = run.moe_calibration
     transforms, targets = steps.with_role(Role.TRANSFORM), steps.with_role(Role.TARGET)
     # the float block's output, taken before a transform changes the block, unless a target's companion runs the
     # untransformed float block stage by stage and computes it on the way
@@ -53,18 +55,22 @@ def quantize_block(
     if steps.any_cap("reads_solved_block"):
         work.kept_input = hidden.clone()  # the solve overwrites ``hidden``
     for step in transforms:
-        work.records += step.hooks.transform(step.config, work)
+        work.records += _transform(step, work, run)
     companions = [step.hooks.companion(step.config, work) for step in targets]
     staged = StagedBlock(
         block, run.arch, run.runner, hidden, spill=run.memory.spill, moe_calibration=run.moe_calibration
     )
-    observer = InputRangeObserver(run.sample_every) if _static_inputs(schemes) else None
+    first_row = 0 if run.ranks is None else run.ranks.rows.start * hidden.shape[1]  # this rank's first token
+    observer = InputRangeObserver(run.sample_every, first_row) if _static_inputs(schemes) else None
     attention = get_module(block, run.arch.attn_path)
     with attention_implementation(attention, OBSERVE) if run.kv_cache else nullcontext():
         _solve_stages(work, run, staged, companions, observer)
     extra = {}
     if run.kv_cache is not None:
-        scales = kv_scales(take_kv_absmax(attention), run.kv_cache.strategy == "attn_head", run.storage)
+        absmax = take_kv_absmax(attention)
+        if run.ranks is not None:  # the largest magnitude over every rank's windows: exact in any order
+            absmax = run.ranks.all_max_(absmax.contiguous())
+        scales = kv_scales(absmax, run.kv_cache.strategy == "attn_head", run.storage)
         extra = {f"{run.arch.attn_path}.{name}": scale for name, scale in scales.items()}
     if staged.experts is not None:
         if run.ranks is not None:  # every rank's routing: the records count the tokens of all windows
@@ -76,8 +82,46 @@ def quantize_block(
     release_freed_memory()
     work.output = staged.output()
     for step in steps.with_role(Role.TUNE):
-        work.records += step.hooks.tune(step.config, work)
+        work.records += _tune(step, work, run)
     return QuantizedBlock(work.weights, work.output, work.records, work.reference_output, extra)
+
+
+def _transform(step: Any, work: BlockWork, run: BlockRun) -> list[Any]:
+    """One transform of the float block. On several processes rank 0 runs it on the windows it reads, gathered
+    from every rank (so it computes what one process computes), and hands the transformed block to the others;
+    its records are rank 0's (the only ones written)."""
+    if run.ranks is None:
+        return step.hooks.transform(step.config, work)
+    gathered = run.ranks.gather_first(work.hidden, step.hooks.transform_windows(step.config))
+    records = [] if gathered is None else step.hooks.transform(step.config, replace(work, hidden=gathered))
+    del gathered
+    run.ranks.share_block(work.block)
+    return records
+
+
+def _tune(step: Any, work: BlockWork, run: BlockRun) -> list[Any]:
+    """Tuning of the solved block. On several processes rank 0 tunes it on every window (the inputs, float outputs
+    and solved outputs gathered from all ranks, so it computes what one process computes), then broadcasts the
+    tuned weights and hands each rank its rows of the tuned output."""
+    if run.ranks is None:
+        return step.hooks.tune(step.config, work)
+    ranks = run.ranks
+    assert work.kept_input is not None and work.reference_output is not None and work.output is not None
+    device = work.output.device
+    kept, reference = ranks.gather_rows(work.kept_input), ranks.gather_rows(work.reference_output)
+    output = ranks.gather_rows(work.output)
+    records, weights = [], None
+    if ranks.context.is_main:
+        whole = replace(work, kept_input=kept, reference_output=reference, output=output)
+        records = step.hooks.tune(step.config, whole)  # writes the tuned weights back into the (shared) block
+        weights, output = whole.weights, whole.output
+    del kept, reference
+    work.weights = ranks.share_weights(weights, device)
+    if not ranks.context.is_main:
+        for name, weight in work.weights.items():
+            work.write_back(name, weight)
+    work.output = ranks.scatter_rows(output, device)
+    return records
 
 
 def _static_inputs(schemes: BlockSchemes) -> bool:
@@ -102,6 +146,8 @@ def _solve_stages(
     stages = stage_hessians(staged, with_hessian=with_hessian, companions=watching, share=share)
     for stage, hessian, stage_data in stages:
         input_range = stage_data.pop() if observer is not None else None
+        if input_range is not None and run.ranks is not None:  # every rank's range and row sample, in row order
+            input_range = merge_ranges(run.ranks.all_gather(input_range))
         run.memory.before_stage(stage, staged, work.weights, keep_dense)
         solved_runs = []
         for index, (names, scheme) in enumerate(runs[stage.name]):

@@ -52,6 +52,7 @@ class AttentionMetadata:
     context_lens_list: list[int]  # context_lens as Python ints (prefill loops over sequences)
     decode_mask: torch.Tensor | None = None  # bool [B, 1, 1, max_blocks * block_size]: key t < context_len
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # decode_mask within each window, lazily
+    state_slots: list[int] | None = None  # each sequence's state slot (hybrid models' linear-attention layers)
 
 
 class AttentionBackend(ABC):
@@ -259,6 +260,7 @@ def torch_decode(
 
 
 class TritonAttentionBackend(AttentionBackend):
+    # full attention only: a hybrid's gated DeltaNet layers never reach a backend and run in torch (runtime/deltanet.py)
     name = "triton"
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv: LayerKV, meta: AttentionMetadata) -> None:

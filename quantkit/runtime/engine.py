@@ -38,6 +38,7 @@ from quantkit.runtime.sequence import FinishReason, Sequence
 from quantkit.runtime.speculative.draft_model import Draft, DraftModel
 from quantkit.runtime.speculative.speculator import Speculator
 from quantkit.runtime.speculative.stats import SpeculationStats
+from quantkit.runtime.state_slots import StateSlotBlockManager
 from quantkit.runtime.step_profile import StepProfile
 from quantkit.runtime.step_sampling import StepSampler
 
@@ -56,6 +57,11 @@ class Engine:
         device, dtype = _device_and_dtype(cfg)
         backend = select_backend(cfg.backend, device)
         model_cfg = ModelConfig.from_hf(read_checkpoint_config(self.path))
+        if model_cfg.linear_attention is not None and cfg.speculative is not None:
+            raise QuantkitError(
+                f"speculative decoding is not supported for {model_cfg.model_type}: its linear-attention state cannot "
+                "be rolled back past rejected drafts; leave --speculative off"
+            )
         self.max_model_len = cfg.resolved_max_model_len(model_cfg.max_position_embeddings)
         # windows are applied per layer (Mistral, Phi-3, Mixtral, Gemma 3); Qwen's opt-in window is not
         if model_cfg.window_unimplemented and self.max_model_len > (model_cfg.sliding_window or 0):
@@ -72,8 +78,15 @@ class Engine:
             max_positions=self.max_model_len,
         )
         num_blocks = cfg.num_blocks(kv_bytes_per_block(self.model, cfg.block_size, dtype, cfg.kv_cache_dtype))
-        self.runner = ModelRunner(self.model, backend, num_blocks, cfg.block_size, dtype, cfg.kv_cache_dtype)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        if model_cfg.linear_attention is None:
+            self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+            self.runner = ModelRunner(self.model, backend, num_blocks, cfg.block_size, dtype, cfg.kv_cache_dtype)
+        else:  # a hybrid (Qwen3.5): a state slot per running sequence, no prefix caching (StateSlotBlockManager)
+            slots = StateSlotBlockManager(num_blocks, cfg.block_size, cfg.max_num_seqs)
+            self.block_manager = slots
+            self.runner = ModelRunner(
+                self.model, backend, num_blocks, cfg.block_size, dtype, cfg.kv_cache_dtype, slots.slot, cfg.max_num_seqs
+            )
         assert cfg.max_num_batched_tokens is not None  # EngineConfig resolves it
         sched_cfg = SchedulerConfig(
             cfg.max_num_seqs, cfg.max_num_batched_tokens, self.max_model_len, cfg.enable_chunked_prefill

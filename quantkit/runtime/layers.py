@@ -287,14 +287,16 @@ class Attention(nn.Module):
         softcap: float | None = None,
         norm_offset: float = 0.0,
         sinks: bool = False,
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.output_gate = output_gate  # Qwen3.5: q_proj's rows per head are its query, then a sigmoid output gate
         # gpt_oss: a learned logit per query head that joins each row's softmax and takes its share of the weight
         self.sinks = nn.Parameter(torch.empty(num_heads), requires_grad=False) if sinks else None
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window, self.softcap = window, softcap
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        q_size, kv_size = num_heads * head_dim * (2 if output_gate else 1), num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, q_size + 2 * kv_size, qkv_bias) if fused_qkv else None
         self.q_proj = None if fused_qkv else Linear(hidden, q_size, qkv_bias)
         self.k_proj = None if fused_qkv else Linear(hidden, kv_size, qkv_bias)
@@ -315,13 +317,17 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_out = 2 * q_size if self.output_gate else q_size
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv_proj(x).split([q_out, kv_size, kv_size], dim=-1)
         elif self.qkv is not None:
-            q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+            q, k, v = self.qkv(x).split([q_out, kv_size, kv_size], dim=-1)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -332,4 +338,5 @@ class Attention(nn.Module):
         out = self.backend.forward(
             q, k, v.contiguous(), self.kv, meta, self.scale, window=self.window, softcap=self.softcap, sinks=self.sinks
         )
-        return self.o_proj(out.reshape(t, q_size))
+        out = out.reshape(t, q_size)
+        return self.o_proj(out if gate is None else out * torch.sigmoid(gate.reshape(t, q_size)))

@@ -6,14 +6,14 @@ mixture-of-experts MLP, q/k/v and gate/up stored as one fused linear each) is re
 Mixtral, Qwen2-MoE) a :class:`SparseMoE`; a family whose ``qkv`` (``gate_up``) stage is one linear (Phi-3's
 ``qkv_proj``, ``gate_up_proj``) stores that projection fused, and the runtime loads it as it is. Sliding windows and
 Gemma 3's differences (layer types with their own rotary base, ``(1 + weight)`` RMSNorms, sandwich norms, a scaled
-embedding, GeGLU, soft-capping) are read by :mod:`quantkit.runtime.family_config`.
+embedding, GeGLU, soft-capping) are read by :mod:`quantkit.runtime.family_config`. Qwen3.5's hybrid layers are gated
+DeltaNet (:mod:`quantkit.runtime.deltanet`) or full attention with a sigmoid output gate.
 
-The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load
-as they are: the model is built on the meta device from config.json, every Linear the quantization_config
-targets becomes the buffers its format stores, then all shards are loaded with ``assign=True`` and the model is
-``prepare``-d for its backend. Tied embeddings share the embedding matrix with the LM head. A checkpoint with a
-``kv_cache_scheme`` also loads every attention's ``k_scale`` / ``v_scale``: its KV cache is FP8 under them.
-"""
+The module tree mirrors Hugging Face's names (``model.layers.N.self_attn.q_proj`` ...) so checkpoint keys load as
+they are: the model is built on the meta device from config.json, every Linear the quantization_config targets
+becomes the buffers its format stores, then all shards are loaded with ``assign=True`` and the model is ``prepare``-d
+for its backend. Tied embeddings share the embedding matrix with the LM head. A checkpoint with a ``kv_cache_scheme``
+also loads every attention's ``k_scale`` / ``v_scale``: its KV cache is FP8 under them."""
 
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ from quantkit.format.tensors import QUANTIZED_PARTS, SCALE
 from quantkit.model.architectures import GATE_UP, QKV, arch_for_model_type
 from quantkit.model.gpt_oss import is_mxfp4, per_expert_state
 from quantkit.runtime.attention_backend import AttentionMetadata
+from quantkit.runtime.deltanet import DeltaNetConfig, GatedDeltaNet
 from quantkit.runtime.family_config import FamilyFacts, LayerAttention, layer_attention, with_class_defaults
 from quantkit.runtime.kv_stored_scales import register_kv_scale_buffers
 from quantkit.runtime.layers import MLP, Attention, Linear, RMSNorm, RopeConfig, RotaryEmbedding, rms_norm
@@ -66,6 +67,7 @@ class ModelConfig:
     fused_gate_up: bool = False  # the checkpoint stores gate/up as one linear, mlp.gate_up_proj (Phi-3)
     attention: LayerAttention | None = None  # each layer's window and rotary parameters (None: all full, ``rope``)
     attn_sinks: bool = False  # a learned per-head logit in every attention softmax (gpt_oss)
+    linear_attention: DeltaNetConfig | None = None  # a hybrid's gated DeltaNet layers (Qwen3.5)
     # Gemma's norms, scales, activation and soft-capping (default: Llama's)
     family: FamilyFacts = field(default_factory=FamilyFacts)
 
@@ -82,11 +84,6 @@ class ModelConfig:
     def from_hf(cls, cfg: Mapping[str, Any]) -> ModelConfig:
         model_type = str(cfg.get("model_type") or "<missing model_type>")
         arch = arch_for_model_type(model_type)  # raises UnsupportedArchitectureError naming the supported ones
-        if arch.mixers:  # Qwen3.5-MoE: gated DeltaNet layers, whose state per sequence the runtime does not keep
-            raise QuantkitError(
-                f"quantkit's runtime cannot serve {model_type}: its linear-attention layers need a recurrent state per "
-                "sequence beside the paged KV cache; serve the checkpoint with vLLM (vllm serve <checkpoint dir>)"
-            )
         moe = None
         if arch.moe is not None:
             cfg = with_config_defaults(model_type, cfg, arch.moe)
@@ -100,7 +97,7 @@ class ModelConfig:
             model_type=model_type,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=int(cfg["hidden_size"]),
-            intermediate_size=int(cfg["intermediate_size"]),
+            intermediate_size=int(cfg.get("intermediate_size") or 0),  # Qwen3.5-MoE has none: every MLP is sparse
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
@@ -120,34 +117,40 @@ class ModelConfig:
             fused_gate_up=moe is None and len(arch.stage(GATE_UP).linears) == 1,
             attention=attention,
             attn_sinks=arch.attention_sinks,
+            linear_attention=DeltaNetConfig.from_hf(cfg) if arch.mixers else None,
             family=FamilyFacts.from_hf(arch, cfg),
         )
 
 
 class DecoderLayer(nn.Module):
-    """One block; residual adds are fused into the next RMSNorm (``norm(x, residual)``). With sandwich norms
-    (Gemma) each sub-block's output is normalised before its residual add, and the MLP reads
-    ``pre_feedforward_layernorm``."""
+    """One block; residual adds are fused into the next RMSNorm (``norm(x, residual)``). With sandwich norms (Gemma)
+    each sub-block's output is normalised before its residual add, and the MLP reads ``pre_feedforward_layernorm``."""
 
     def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
         family, eps = cfg.family, cfg.rms_norm_eps
         self.local_rope = cfg.attention is not None and cfg.attention.local(index)  # Gemma 3's sliding layers
-        self.self_attn = Attention(
-            cfg.hidden_size,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            qkv_bias=cfg.qkv_bias,
-            o_bias=cfg.o_bias,
-            qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
-            fused_qkv=cfg.fused_qkv,
-            scale=family.attn_scale,
-            window=cfg.window(index),
-            softcap=family.attn_softcap,
-            norm_offset=family.norm_offset,
-            sinks=cfg.attn_sinks,
-        )
+        deltanet = cfg.linear_attention if cfg.linear_attention and cfg.linear_attention.is_linear(index) else None
+        self.mixer = "self_attn" if deltanet is None else "linear_attn"  # the token mixer, under its checkpoint name
+        if deltanet is not None:  # a layer holds one token mixer or the other
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, deltanet)
+        else:
+            self.self_attn = Attention(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                qkv_bias=cfg.qkv_bias,
+                o_bias=cfg.o_bias,
+                qk_norm_eps=cfg.rms_norm_eps if cfg.qk_norm else None,
+                fused_qkv=cfg.fused_qkv,
+                scale=family.attn_scale,
+                window=cfg.window(index),
+                softcap=family.attn_softcap,
+                norm_offset=family.norm_offset,
+                sinks=cfg.attn_sinks,
+                output_gate=cfg.linear_attention is not None,  # Qwen3.5, the one hybrid family, gates it
+            )
         # the MLP sits under the checkpoint's name for it ("mlp"; Mixtral's sparse one: "block_sparse_moe")
         self.mlp_path = "mlp" if cfg.moe is None else cfg.moe.path
         mlp: nn.Module
@@ -175,7 +178,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, meta)
+        x = getattr(self, self.mixer)(rope, x, meta)
         if self.sandwich:
             x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(x), residual)
             return self.post_feedforward_layernorm(getattr(self, self.mlp_path)(x)), residual
@@ -240,7 +243,7 @@ class CausalLM(nn.Module):
                 module.weight = nn.Parameter(module.weight.to(dtype), requires_grad=False)
                 module.use_kernel = use_kernels and module.weight.is_cuda
         for module in self.modules():
-            if isinstance(module, (Attention, MLP)):  # an MoE's shared expert is an MLP
+            if isinstance(module, (Attention, MLP, GatedDeltaNet)):  # an MoE's shared expert is an MLP
                 module.prepare()
             elif isinstance(module, SparseMoE):
                 module.prepare(dtype)  # router in the compute dtype, each expert's gate/up fused
@@ -273,11 +276,10 @@ def _dequantize_embeddings(model: CausalLM, layout: QuantizationLayout, state: d
         scheme = layout.scheme_for(name, ["Embedding"]) if isinstance(module, nn.Embedding) else None
         if scheme is None or f"{name}.weight" in state:
             continue
-        device = state[f"{name}.{SCALE}"].device
-        table = dense_embedding(state, name, scheme, module.weight.dtype)
+        table = dense_embedding(state, name, scheme, module.weight.dtype).to(state[f"{name}.{SCALE}"].device)
         for part in QUANTIZED_PARTS:
             state.pop(f"{name}.{part}", None)
-        state[f"{name}.weight"] = table.to(device)
+        state[f"{name}.weight"] = table
 
 
 def _load_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:

@@ -3,16 +3,20 @@
 For a sequence scheduled with ``n`` tokens, positions are ``[num_computed_tokens, num_computed_tokens + n)`` and
 position ``p`` lives in cache slot ``block_table[p // block_size] * block_size + p % block_size``. Index tensors
 are built once per step from Python lists; only the rows whose logits are needed (each sequence's last
-scheduled token, and the prompt positions a request scores) go through the LM head.
+scheduled token, and the prompt positions a request scores) go through the LM head. A hybrid model's linear-attention
+layers keep no KV pages: each sequence's state lives in the slot ``state_slot`` names (:mod:`.state_slots`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.runtime.attention_backend import AttentionBackend, AttentionMetadata
+from quantkit.runtime.deltanet import GatedDeltaNet
 from quantkit.runtime.kv_cache import KVCache, bytes_per_block
 from quantkit.runtime.kv_stored_scales import resolve_kv_cache_dtype, stored_kv_scales
 from quantkit.runtime.layers import Attention
@@ -20,6 +24,7 @@ from quantkit.runtime.logprobs import TokenLogprob, token_logprobs
 from quantkit.runtime.model import CausalLM
 from quantkit.runtime.scheduler import SchedulerOutput
 from quantkit.runtime.sequence import Sequence
+from quantkit.runtime.state_slots import RecurrentStates
 
 ModelInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 SCORE_CHUNK = 256  # rows of [rows, vocab] fp32 logits scored at a time (a 150k vocab: 154 MB)
@@ -50,7 +55,13 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype, kv_
     stored = model_kv_scales(model) is not None
     kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, stored)
     return bytes_per_block(
-        cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim, dtype, kv_cache_dtype, row_scales=not stored
+        len(_attentions(model)),
+        block_size,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        dtype,
+        kv_cache_dtype,
+        row_scales=not stored,
     )
 
 
@@ -63,13 +74,16 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         kv_cache_dtype: str = "auto",
+        state_slot: Callable[[Sequence], int] | None = None,
+        num_state_slots: int = 0,
     ) -> None:
         cfg = model.config
         self.model, self.backend, self.block_size = model, backend, block_size
         self.device = model.model.embed_tokens.weight.device
         stored = model_kv_scales(model)  # a checkpoint's calibrated FP8 cache replaces computed scales
+        attentions = _attentions(model)  # a hybrid's linear-attention layers keep no KV (state slots instead)
         self.cache = KVCache(
-            cfg.num_layers,
+            len(attentions),
             num_blocks,
             block_size,
             cfg.num_kv_heads,
@@ -80,8 +94,20 @@ class ModelRunner:
             stored_scales=stored,
         )
         self.kv_cache = self.cache.values  # [2, L, num_blocks, block_size, Hkv, D]; scales in self.cache.scales
-        for i, attn in enumerate(_attentions(model)):
+        for i, attn in enumerate(attentions):
             attn.kv, attn.backend = self.cache.layer(i), backend
+        # hybrid models: each running sequence's linear-attention state, in the slot ``state_slot`` gives it
+        self.state_slot, self.states = state_slot, None
+        deltanets = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+        if deltanets and cfg.linear_attention is not None:
+            if state_slot is None or num_state_slots < 1:
+                raise QuantkitError(
+                    f"{cfg.model_type} has linear-attention layers, whose per-sequence state only the Engine's "
+                    "StateSlotBlockManager provides; it cannot be a draft model: pick a draft without them"
+                )
+            self.states = RecurrentStates(len(deltanets), num_state_slots, cfg.linear_attention, dtype, self.device)
+            for i, layer in enumerate(deltanets):
+                layer.state = self.states.layer(i)
 
     def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
@@ -128,6 +154,7 @@ class ModelRunner:
             query_lens=list(out.num_tokens),
             context_lens_list=ctx_lens,
             decode_mask=decode_mask,
+            state_slots=[self.state_slot(s) for s in out.seqs] if self.state_slot is not None else None,
         )
         pos = self._tensor(positions, torch.int64)
         return self._tensor(ids, torch.int64), pos, meta, self._tensor(last, torch.int64)

@@ -153,8 +153,16 @@ def test_one_chunk_is_the_running_sum_it_always_was() -> None:
     assert all(torch.allclose(got[name], running[name], rtol=1e-5, atol=1e-6) for name in running)
 
 
-@pytest.mark.parametrize(("method", "named"), [("awq", "awq"), ("awq+gptq", "awq")])
-def test_algorithms_that_do_not_run_distributed_are_refused_in_one_line(method: str, named: str) -> None:
-    with pytest.raises(SameOnEveryRank, match=f"^{named} cannot run on 2 processes yet .*one process"):
-        check_distributable(QuantizeConfig.for_method(method), DistContext(rank=0, world=2))
-    check_distributable(QuantizeConfig.for_method("gptq"), DistContext(rank=0, world=2))  # a solver alone runs
+def test_what_does_not_run_distributed_is_refused_in_one_line() -> None:
+    from quantkit.format.presets import PRESETS
+    from quantkit.quantization.methods.tune import TuneConfig
+
+    two = DistContext(rank=0, world=2)
+    mse_routed = {"scheme": PRESETS["FP8"], "activation_observer": "mse", "moe_calibration": "routed"}
+    with pytest.raises(SameOnEveryRank, match=r"^static input scales by the mse observer .* yet; .*one process"):
+        check_distributable(QuantizeConfig.for_method("gptq", **mse_routed), two)
+    for method in ("gptq", "rtn", "awq", "awq+gptq", "smoothquant+gptq"):  # these run distributed
+        check_distributable(QuantizeConfig.for_method(method), two)
+    check_distributable(QuantizeConfig.for_method("gptq", TuneConfig(steps=2)), two)
+    check_distributable(QuantizeConfig.for_method("gptq", scheme=PRESETS["FP8"], kv_cache_scheme="fp8"), two)
+    check_distributable(QuantizeConfig.for_method("gptq", scheme=PRESETS["FP8"], activation_observer="mse"), two)

@@ -44,15 +44,9 @@ def _losses(out: Path) -> list[float | None]:
 @pytest.fixture(scope="module")
 def calib18(tiny_model_dir, tmp_path_factory) -> Path:
     """18 windows: 9 mini-batches of 2, chunks of 4, 4 and 1 batches, cut 8 | 10 windows between two ranks."""
-    from helpers.paths import REPO
+    from helpers.tiny import tiny_calibration
 
-    from quantkit.data.calibration import CalibrationConfig, build_calibration
-
-    text = tmp_path_factory.mktemp("calib18") / "text.txt"
-    text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:20000])
-    out = text.with_name("calib18.safetensors")
-    build_calibration(str(tiny_model_dir), CalibrationConfig(dataset=str(text), num_samples=18, seq_len=32), output=out)
-    return out
+    return tiny_calibration(tiny_model_dir, tmp_path_factory.mktemp("calib18"), 18)
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +102,11 @@ def test_resume_after_a_killed_rank(tiny_model_dir, calib18, single_gptq, tmp_pa
 
 
 def test_an_algorithm_that_does_not_run_distributed_is_refused_once(tiny_model_dir, calib18, tmp_path) -> None:
-    done = _quantize(tmp_path / "awq", tiny_model_dir, calib18, "--method", "awq", procs=2)
+    refused = ("--scheme", "FP8", "--activation-observer", "mse", "--moe-calibration", "routed")
+    done = _quantize(tmp_path / "mse", tiny_model_dir, calib18, *refused, procs=2)
     assert done.returncode != 0
-    assert done.stderr.count("cannot run on 2 processes yet") == 1
-    assert not (tmp_path / "awq").exists()
+    assert done.stderr.count("--moe-calibration routed cannot run on 2 processes yet") == 1
+    assert not (tmp_path / "mse").exists()
 
 
 def test_a_mixture_of_experts_model_on_two_processes(calib18, tmp_path) -> None:

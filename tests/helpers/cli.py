@@ -7,17 +7,22 @@ import sys
 import pytest
 
 
-def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+def cli_exit_code(args: list[str]) -> int:
+    """The CLI's exit code, its output left to pytest's capture (for module fixtures, which cannot take capsys)."""
     from quantkit.cli import main
 
     old = sys.argv
     sys.argv = ["quantkit", *args]
-    code = 0
     try:
         main()
     except SystemExit as exc:
-        code = int(exc.code or 0) if not isinstance(exc.code, str) else 1
+        return int(exc.code or 0) if not isinstance(exc.code, str) else 1
     finally:
         sys.argv = old
+    return 0
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli_exit_code(args)
     captured = capsys.readouterr()
     return code, captured.out, captured.err

@@ -156,3 +156,17 @@ def save_tiny_model(path: Path, *, add_bos: bool = False, seed: int = 0, **overr
     model.save_pretrained(path)
     build_word_tokenizer(add_bos=add_bos).save_pretrained(path)
     return path
+
+
+def tiny_calibration(model_dir: Path, folder: Path, num_samples: int, seq_len: int = 32) -> Path:
+    """``num_samples`` x ``seq_len`` calibration windows of real text (the first 20,000 characters of held-out
+    Persuasion) for a tiny model, written under ``folder``."""
+    from helpers.paths import REPO
+    from quantkit.data.calibration import CalibrationConfig, build_calibration
+
+    text = folder / "text.txt"
+    text.write_text((REPO / "calibration" / "austen_persuasion_eval.txt").read_text()[:20000])
+    out = folder / f"calib{num_samples}.safetensors"
+    config = CalibrationConfig(dataset=str(text), num_samples=num_samples, seq_len=seq_len)
+    build_calibration(str(model_dir), config, output=out)
+    return out

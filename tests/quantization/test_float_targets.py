@@ -67,6 +67,28 @@ def test_the_direct_shift_equals_the_one_from_the_cross_moment() -> None:
     assert StageMoments.direct_is_cheaper(1536, [576]) and not StageMoments.direct_is_cheaper(576, [576, 192, 192])
 
 
+@pytest.mark.parametrize("direct", [False, True])
+def test_moments_taken_by_chunks_and_put_back_as_totals(direct: bool) -> None:
+    """The block loop takes the sums chunk by chunk (to add them up in the Hessians' order on any number of
+    processes): one chunk put back as the totals is the running sum, bit for bit; the next chunk starts at zero."""
+    x, x_quantized, weight = _drifted(7)
+    error = 0.1 * torch.randn(400, 6, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    weights = {"w": weight} if direct else None
+    running = StageMoments(12, torch.device("cpu"), weights, dtype=torch.float64)
+    chunked = StageMoments(12, torch.device("cpu"), weights, dtype=torch.float64)
+    for part in (slice(0, 150), slice(150, 400)):
+        running.add(x[part], x_quantized[part], error[part])
+        chunked.add(x[part], x_quantized[part], error[part])
+    taken = chunked.take_chunk()
+    assert sorted(taken) == (["shift:w"] if direct else ["cross", "residual"])
+    assert all(float(v.abs().sum()) == 0.0 for v in chunked.take_chunk().values())  # fresh buffers
+    chunked.put_totals(taken, 400)
+    running.normalise_()
+    chunked.normalise_()
+    hessian = 2.0 / 400 * x_quantized.T @ x_quantized
+    assert torch.equal(chunked.shift("w", weight, hessian), running.shift("w", weight, hessian))
+
+
 def _drifted(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator(device="cpu").manual_seed(seed)
     x = torch.randn(400, 12, generator=gen, dtype=torch.float64)

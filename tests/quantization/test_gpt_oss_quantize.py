@@ -7,13 +7,12 @@ transformers dequantizes it."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers.checkpoint import data_bytes
-from helpers.cli import run_cli
+from helpers.cli import cli_exit_code, run_cli
 from helpers.family_checks import relative_error
 from helpers.gpt_oss import CONFIG, NUM_EXPERTS, save_tiny_gpt_oss, save_tiny_mxfp4_gpt_oss, tiny_gpt_oss
 from helpers.tiny import build_word_tokenizer
@@ -41,7 +40,6 @@ def runs(
     gpt_oss_dir: Path, tiny_calib_file: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, tuple[Path, float]]:
     """Each method's checkpoint and its logit error through quantkit's loader (quantize run once per method)."""
-    from quantkit.cli import main
 
     ids = load_file(str(tiny_calib_file))["input_ids"].long()
     with torch.inference_mode():
@@ -51,13 +49,7 @@ def runs(
     for method in BOUNDS:
         ckpt = root / method
         args = ["quantize", str(gpt_oss_dir), "-o", str(ckpt), "--calib", str(tiny_calib_file), "--group-size", "32"]
-        old, sys.argv = sys.argv, ["quantkit", *args, "--method", method]
-        try:
-            main()
-        except SystemExit as exc:
-            assert not exc.code, f"quantize --method {method} failed"
-        finally:
-            sys.argv = old
+        assert cli_exit_code([*args, "--method", method]) == 0, f"quantize --method {method} failed"
         with torch.inference_mode():
             got = load_model(ckpt)(input_ids=ids).logits
         out[method] = (ckpt, relative_error(got, expected))

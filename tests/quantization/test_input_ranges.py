@@ -14,6 +14,7 @@ from quantkit.quantization.input_ranges import (
     MSE_SHRINKS,
     InputRange,
     InputRangeObserver,
+    merge_ranges,
     sample_stride,
 )
 
@@ -60,6 +61,35 @@ def test_the_observer_keeps_every_nth_row_across_batches():
     found = observer.close_stage()
     assert found.absmax == 19.0
     assert torch.equal(found.sample, rows[::3])
+
+
+def _observed(observer: InputRangeObserver, batches: list[torch.Tensor]) -> InputRange:
+    for batch in batches:
+        observer.observe(None, None, slice(None), batch.unsqueeze(0), None)
+    return observer.close_stage()
+
+
+def test_the_sample_is_a_copy_of_inputs_in_a_reused_buffer():
+    """down_proj's inputs live in one buffer each mini-batch overwrites: the sample keeps the rows as they were."""
+    buffer = torch.zeros(4, 2)
+    observer = InputRangeObserver(sample_every=1)
+    for value in (1.0, 2.0, 3.0):
+        buffer.fill_(value)
+        observer.observe(None, None, slice(None), buffer.unsqueeze(0), None)
+    found = observer.close_stage()
+    assert found.sample[:, 0].tolist() == [1.0] * 4 + [2.0] * 4 + [3.0] * 4
+
+
+def test_shares_of_the_rows_merge_into_the_range_of_all():
+    """Each process observes its rows from its first row's index on; the ranges merged in row order are those of
+    one observer over every row (the MSE sample keeps the same global stride)."""
+    rows = torch.randn(23, 4, generator=torch.Generator().manual_seed(3))
+    whole = _observed(InputRangeObserver(sample_every=3), [rows[:5], rows[5:11], rows[11:17], rows[17:]])
+    first = _observed(InputRangeObserver(sample_every=3), [rows[:5], rows[5:11]])
+    second = _observed(InputRangeObserver(sample_every=3, first_row=11), [rows[11:17], rows[17:]])
+    merged = merge_ranges([first, second])
+    assert merged.absmax == whole.absmax and torch.equal(merged.sample, whole.sample)
+    assert torch.equal(merged.sample, rows[::3])
 
 
 def test_the_sample_is_bounded():

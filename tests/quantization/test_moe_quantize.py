@@ -154,25 +154,6 @@ def test_rotation_folds_into_experts_and_router(
     assert _relative_logit_error(model, tmp_path / "q", tiny_calib_file) < 0.03
 
 
-@pytest.mark.parametrize(
-    ("flags", "words"),
-    [(["--float-targets"], "--float-targets"), (["--method", "smoothquant+gptq", "--scheme", "W8A8"], "SmoothQuant")],
-)
-def test_algorithms_not_defined_for_experts_are_refused_in_one_line(
-    flags: list[str],
-    words: str,
-    moe_dirs: dict[str, Path],
-    tiny_calib_file: Path,
-    tmp_path: Path,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    args = ["quantize", str(moe_dirs["qwen3_moe"]), "-o", str(tmp_path / "q"), "--calib", str(tiny_calib_file)]
-    method = [] if "--method" in flags else ["--method", "gptq"]
-    code, _, err = run_cli([*args, *method, *flags], capsys)
-    assert code != 0 and words in err and "mixture-of-experts" in err
-    assert not (tmp_path / "q").exists()
-
-
 def test_a_layers_experts_are_one_planner_unit(
     moe_dirs: dict[str, Path], tiny_calib_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

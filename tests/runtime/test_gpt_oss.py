@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.cli import cli_exit_code
 from helpers.gpt_oss import CONFIG, WINDOW, save_tiny_gpt_oss, save_tiny_mxfp4_gpt_oss, tiny_gpt_oss
 from helpers.runtime import engine_logits, greedy, hf_logits, paged_meta, small_engine, small_llm
 from transformers import AutoConfig, AutoModelForCausalLM, Mxfp4Config, PreTrainedModel
@@ -101,18 +101,10 @@ def test_continuous_batching_equals_one_at_a_time(gpt_oss: tuple[PreTrainedModel
 
 @pytest.fixture(scope="module")
 def quantized(gpt_oss: tuple[PreTrainedModel, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.cli import main
-
     _, path = gpt_oss
     out = tmp_path_factory.mktemp("gpt_oss_q") / "q"
     args = ["quantize", str(path), "-o", str(out), "--method", "rtn", "--scheme", "W4A16", "--group-size", "32"]
-    old, sys.argv = sys.argv, ["quantkit", *args]
-    try:
-        main()
-    except SystemExit as exc:
-        assert not exc.code
-    finally:
-        sys.argv = old
+    assert cli_exit_code(args) == 0
     return out
 
 

@@ -5,11 +5,15 @@ The walk is the compressed-tensors pipeline's (:func:`~quantkit.quantization.blo
 each stage's linears are solved on the Hessian of inputs computed with every earlier stage already quantized,
 each one onto the GGML type the mix gives it, and its decoded weight is written back into the block, so later
 stages and blocks see the model llama.cpp will run. The first block reads the quantized embedding. An untied
-output head is solved last, on the Hessian of the final norm's output.
+output head is solved last, on the Hessian of the final norm's output. With a rotation (:mod:`.rotate`) each block
+is folded as it is loaded, before its Hessians are taken, and the embedding, head and final norm are the rotated
+ones; the head is then untied.
 
 Each tensor's bytes go to a work directory beside the output (not kept in memory); the file is then written by
 the caller's writer (:func:`quantkit.export.gguf_typed.write_typed_gguf`: the quantizer does not import exports)
-under a temporary name, flushed and renamed into place. Nothing is left under the output name on failure.
+under a temporary name, flushed and renamed into place. Nothing is left under the output name on failure. The run
+holds the output's lock (:mod:`quantkit.quantization.output_lock`) throughout, so a second run on the same file is
+refused, and it removes what a killed run left beside the file.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians, walk_blocks
 from quantkit.quantization.gguf.mixes import mix_of
 from quantkit.quantization.gguf.plan import DENSE, EMBEDDING, HEAD, LINEAR, PlannedTensor, plan_gguf
+from quantkit.quantization.gguf.rotate import GGUFRotation, gguf_rotation
 from quantkit.quantization.gguf.solve import GPTQ, METHODS, SolvedTensor, SolveSettings, solve_tensor
+from quantkit.quantization.leftovers import remove_leftovers
+from quantkit.quantization.output_lock import output_lock
 from quantkit.quantization.statistics import HessianStat
 
 Writer = Callable[..., int]  # write_typed_gguf(source, plan, data_of, out_file, file_type=...)
@@ -55,6 +62,7 @@ class GGUFOutputConfig:
     force: bool = False
     device: str = "cpu"
     show_progress: bool = True
+    rotation: Any = None  # a RotationConfig folded before solving (--rotate); None: none
 
 
 @dataclass(slots=True)
@@ -79,6 +87,7 @@ class GGUFResult:
     file_bytes: int
     peak_rss_mb: float
     tensors: list[TensorRecord] = field(default_factory=list)
+    rotation: str = "none"  # e.g. "hadamard-s0": what was folded into the weights
 
 
 def check_output(output: Path, force: bool) -> None:
@@ -90,21 +99,30 @@ def check_output(output: Path, force: bool) -> None:
 
 def quantize_to_gguf(model: str, config: GGUFOutputConfig, output: Path, write: Writer) -> GGUFResult:
     """Quantize ``model`` (directory, hub id or alias) into the GGUF file ``output`` with ``config.mix``."""
-    from quantkit.data.model_calibration import calibration_for_model
-    from quantkit.model.resolve import arch_for_dir, is_quantized_dir, load_tokenizer, resolve_model
-
     start = time.perf_counter()
     output = Path(output)
-    mix = mix_of(config.mix)
+    mix_of(config.mix)  # an unknown mix is refused before anything else
     if config.solve.method not in METHODS:
         raise QuantkitError(f"GGUF output solves with {' or '.join(METHODS)}; got method '{config.solve.method}'")
     check_output(output, config.force)
+    with output_lock(output):
+        check_output(output, config.force)  # again: a run that held the lock may have just finished the file
+        remove_leftovers(output)
+        return _quantize_locked(model, config, output, write, start)
+
+
+def _quantize_locked(model: str, config: GGUFOutputConfig, output: Path, write: Writer, start: float) -> GGUFResult:
+    from quantkit.data.model_calibration import calibration_for_model
+    from quantkit.model.resolve import arch_for_dir, is_quantized_dir, load_tokenizer, resolve_model
+
+    mix = mix_of(config.mix)
     source = resolve_model(model)
     if is_quantized_dir(source):
         raise QuantkitError(f"'{model}' is already quantized; pass the original float model")
     arch = arch_for_dir(source)
     with SourceWeights(source) as weights:
-        plan = plan_gguf(weights, arch, mix, config.types)
+        rotation = gguf_rotation(config.rotation, source, arch, weights)  # checked before any work
+        plan = plan_gguf(weights, arch, mix, config.types, untie_head=rotation is not None)
         calibration = None
         if config.solve.method == GPTQ:
             tokenizer = load_tokenizer(source)
@@ -116,7 +134,7 @@ def quantize_to_gguf(model: str, config: GGUFOutputConfig, output: Path, write: 
         work.mkdir()
         try:
             store = _Store(work, weights)
-            records = _solve_all(plan, arch, weights, calibration, config, store)
+            records = _solve_all(plan, arch, weights, calibration, config, store, rotation)
             file_type = None if config.types is not None else mix.file_type
             write(source, plan, store.data_of, tmp, file_type=file_type)
             publish(tmp, output, overwrite=config.force)
@@ -131,7 +149,9 @@ def quantize_to_gguf(model: str, config: GGUFOutputConfig, output: Path, write: 
             remove_path(work)
     name = "auto" if config.types is not None else mix.name
     size = output.stat().st_size
-    return GGUFResult(output, name, config.solve.method, time.perf_counter() - start, size, peak_rss_mb(), records)
+    seconds = time.perf_counter() - start
+    folded = "none" if rotation is None else rotation.job.config.name
+    return GGUFResult(output, name, config.solve.method, seconds, size, peak_rss_mb(), records, folded)
 
 
 class _Store:
@@ -159,6 +179,7 @@ def _solve_all(
     calibration: CalibrationSet | None,
     config: GGUFOutputConfig,
     store: _Store,
+    rotation: GGUFRotation | None = None,
 ) -> list[TensorRecord]:
     by_name = {t.hf_name: t for t in plan}
     records: dict[str, TensorRecord] = {}
@@ -171,7 +192,9 @@ def _solve_all(
     device = resolve_device(config.device)
     skeleton = build_skeleton(weights.path)
     embedding = next(t for t in plan if t.role == EMBEDDING)
-    emb = solve_tensor(weights.get(embedding.hf_name), None, embedding.type, config.solve, embedding.hf_name)
+    emb_source = weights.get(embedding.hf_name) if rotation is None else rotation.take(embedding.hf_name, weights)
+    emb = solve_tensor(emb_source, None, embedding.type, config.solve, embedding.hf_name)
+    del emb_source
     hidden = None
     runner = None
     if calibration is not None:
@@ -189,6 +212,11 @@ def _solve_all(
         show_progress=config.show_progress,
     )
     for visit in visits:
+        if rotation is not None:
+            rotation.fold(visit.module)  # before any Hessian: GPTQ solves the rotated weights on rotated inputs
+            dense = [t.hf_name for t in plan if t.role == DENSE and t.hf_name.startswith(f"{visit.prefix}.")]
+            for hf_name, value in rotation.dense_of(visit.module, visit.prefix, dense).items():
+                store.put(hf_name, value)  # the norms are ones now (and a rotated bias is no longer the source's)
         linears = {f"{visit.prefix}.{name}": name for name in arch.linears}
         if runner is None or hidden is None:
             for full, name in linears.items():
@@ -207,10 +235,15 @@ def _solve_all(
                     keep(t, solved)
                 del hessian
             hidden = staged.output()
+    norm_name = f"{arch.final_norm_path}.weight"
+    norm = None if rotation is None else rotation.take(norm_name, weights)
+    if norm is not None:
+        store.put(norm_name, norm.numpy())
     head = next((t for t in plan if t.role == HEAD), None)
     if head is not None:
-        h = _head_hessian(skeleton, arch, weights, hidden, config.batch_size) if hidden is not None else None
-        keep(head, solve_tensor(weights.get(head.hf_name), h, head.type, config.solve, head.hf_name))
+        h = _head_hessian(skeleton, arch, weights, hidden, config.batch_size, norm) if hidden is not None else None
+        head_source = weights.get(head.hf_name) if rotation is None else rotation.take(head.hf_name, weights)
+        keep(head, solve_tensor(head_source, h, head.type, config.solve, head.hf_name))
     for t in plan:
         if t.role == DENSE:
             keep(t, None)
@@ -221,11 +254,19 @@ def _solve_all(
 
 
 def _head_hessian(
-    skeleton: torch.nn.Module, arch: ArchSpec, weights: SourceWeights, hidden: torch.Tensor, batch_size: int
+    skeleton: torch.nn.Module,
+    arch: ArchSpec,
+    weights: SourceWeights,
+    hidden: torch.Tensor,
+    batch_size: int,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The Hessian of the head's inputs: the final norm of the last block's output, over every window."""
+    """The Hessian of the head's inputs: the final norm (with ``norm_weight`` when given: a folded rotation's
+    ones) of the last block's output, over every window."""
     norm = get_module(skeleton, arch.final_norm_path)
     load_module(norm, arch.final_norm_path, weights, device=hidden.device)
+    if norm_weight is not None:
+        norm.weight.data.copy_(norm_weight.to(norm.weight.device, norm.weight.dtype))
     stat = HessianStat.zeros(hidden.shape[-1], device=hidden.device)
     with torch.inference_mode():
         for start in range(0, hidden.shape[0], batch_size):

@@ -2,7 +2,9 @@
 mix (or an explicit per-tensor choice) gives it, from the safetensors headers alone (before any work).
 
 Names come from gguf-py's ``TensorNameMap``; a tied head is not written (llama.cpp reads token_embd for it, and
-the mix then treats token_embd as the output). Tensors the quantizer does not solve (norms, biases) are F32.
+the mix then treats token_embd as the output), unless the run unties it (a folded rotation gives the head its own
+matrix): then ``output.weight`` is planned with the mix's output type and token_embd gets the type llama.cpp's
+quantize gives an untied embedding. Tensors the quantizer does not solve (norms, biases) are F32.
 """
 
 from __future__ import annotations
@@ -63,10 +65,11 @@ def _layer_of(config: dict[str, Any], gguf_name: str, arch: gguf.MODEL_ARCH) -> 
 
 
 def plan_gguf(
-    weights: SourceWeights, arch: ArchSpec, mix: Mix, types: dict[str, str] | None = None
+    weights: SourceWeights, arch: ArchSpec, mix: Mix, types: dict[str, str] | None = None, *, untie_head: bool = False
 ) -> list[PlannedTensor]:
     """Every GGUF tensor of the model in ``weights``, in file order; ``types`` (HF name -> GGML type) replaces the
-    mix's choice for the tensors it names (each still gets llama.cpp's row-length fallback)."""
+    mix's choice for the tensors it names (each still gets llama.cpp's row-length fallback). ``untie_head``: a tied
+    head gets an ``output.weight`` of its own (last in the file), as an untied source's would."""
     config = config_json(weights.path)
     model_type = str(config.get("model_type"))
     if arch.moe is not None:
@@ -74,10 +77,11 @@ def plan_gguf(
     g_arch = gguf_arch_of(arch, model_type)
     names = gguf.get_tensor_name_map(g_arch, int(config["num_hidden_layers"]))
     head = f"{arch.lm_head_path}.weight"
-    tied = head_is_tied(weights.path, head, weights)
+    source_tied = head_is_tied(weights.path, head, weights)
+    tied = source_tied and not untie_head  # as llama.cpp's quantize sees the file: no output.weight in it
     plan = []
     for hf_name in weights.names():
-        if hf_name.endswith(SKIPPED_SUFFIXES) or (tied and hf_name == head):
+        if hf_name.endswith(SKIPPED_SUFFIXES) or (source_tied and hf_name == head):
             continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
@@ -94,6 +98,13 @@ def plan_gguf(
         else:
             choice = tensor_type(mix, name, shape[-1], _layer_of(config, name, g_arch), tied=tied)
         plan.append(PlannedTensor(hf_name, name, shape, choice, _role(hf_name, arch, head)))
+    if source_tied and untie_head:
+        shape = tuple(weights.shape(f"{arch.embed_path}.weight"))
+        output = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT] + ".weight"
+        choice = tensor_type(mix, output, shape[-1], _layer_of(config, output, g_arch), tied=False)
+        if types is not None and head in types:
+            choice = fitted(types[head], shape[-1])
+        plan.append(PlannedTensor(head, output, shape, choice, HEAD))
     return plan
 
 

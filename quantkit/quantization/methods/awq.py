@@ -70,6 +70,9 @@ class AWQClipRecord:
 
 
 class _Hooks(Hooks):
+    def transform_windows(self, config: Any) -> int | None:
+        return config.search_samples  # the searches read the first windows only
+
     def transform(self, config: Any, work: BlockWork) -> list[Any]:
         """AWQ's scales and clipping on the block's quantized linears; its choices logged beside the solver's."""
         quantized = {name: s for name, s in work.schemes.items() if s is not None}

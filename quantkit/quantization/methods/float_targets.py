@@ -22,6 +22,12 @@ windows than GPTQ does (the calibration and held-out figures are in docs/benchma
 The float inputs come from a copy of the block taken before any of its linears is quantized, run stage by stage
 on the float model's activations in step with the quantized block (:class:`FloatPath`); its output is the float
 model's output at this block (the next block's float input, and tuning's targets), computed on the way.
+
+A mixture-of-experts block: each expert linear's moments are summed over the rows its Hessian sums (``--moe-calibration
+all``: every token; ``routed``: the tokens the quantized block routes to the expert, the float inputs taken on those
+same rows), and the float block's output is the float MoE's own forward (routed by the float router on the float
+inputs). The experts' outputs reach the residual stream scaled by routing weights (and the shared expert's by its
+sigmoid gate), so no expert's down_proj takes the stream's error ``e``: o_proj alone corrects it there.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from quantkit.errors import QuantkitError
 from quantkit.model.architectures import DOWN, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.staged_block import StagedBlock
+from quantkit.model.staged_moe import ALL
 from quantkit.quantization.methods.hooks import BlockWork, Companion, Hooks, JobView, SolveJob
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, register
 
@@ -49,11 +56,21 @@ class FloatPath:
     """The float block on the float model's activations, stage by stage: the float inputs of each stage, and the
     block's float output once the last stage has run."""
 
-    def __init__(self, block: nn.Module, arch: ArchSpec, runner: BlockRunner, reference: torch.Tensor) -> None:
+    def __init__(
+        self, block: nn.Module, arch: ArchSpec, runner: BlockRunner, reference: torch.Tensor, moe_calibration: str = ALL
+    ) -> None:
         # a copy: the quantized block's linears are overwritten with their dequantized weights stage by stage
-        self.staged = StagedBlock(copy.deepcopy(block), arch, runner, reference.clone())
-        self._down = get_module(self.staged.block, arch.stage(DOWN).head)
+        copied = copy.deepcopy(block)
+        self.staged = StagedBlock(copied, arch, runner, reference.clone(), moe_calibration=moe_calibration)
+        self._down = None if arch.moe is not None else get_module(self.staged.block, arch.stage(DOWN).head)
         self._output_ready = False
+        self._moe_output: torch.Tensor | None = None
+
+    def follow(self, quantized: StagedBlock) -> None:
+        """Take an expert's routed rows from the ``quantized`` block's selections (routed MoE calibration), so each
+        expert's float inputs cover the rows its Hessian sums."""
+        if self.staged.experts is not None:
+            self.staged.experts.follow = quantized.experts
 
     def stage_inputs(self, stage: str) -> Iterator[torch.Tensor]:
         """Float32 inputs [b, T, K] of ``stage``'s linears, mini-batch by mini-batch (the quantized block's).
@@ -62,9 +79,10 @@ class FloatPath:
         the next batch (it may read ``h2`` through ``staged.residual_in`` until then), so the block's output
         costs one down_proj product per batch instead of a second MLP pass.
         """
-        if stage != DOWN:
+        if stage != DOWN:  # a mixture of experts has no "down" stage: its output is the float MoE's forward
             yield from self.staged.stage_inputs(stage)
             return
+        assert self._down is not None
         hidden = self.staged.hidden
         for rows, a in zip(self.staged.batches(), self.staged.stage_inputs(stage), strict=True):
             yield a
@@ -74,7 +92,12 @@ class FloatPath:
         self._output_ready = True
 
     def output(self) -> torch.Tensor:
-        """The float block's output for every sample (the reference stream's dtype), after the down stage."""
+        """The float block's output for every sample (the reference stream's dtype), after the down stage (the last
+        expert stage of a mixture of experts, whose MLP then runs once more, routed by its own router)."""
+        if self.staged.experts is not None:
+            if self._moe_output is None:
+                self._moe_output = self.staged.output()
+            return self._moe_output
         assert self._output_ready, "the down stage must run to its end before the float output is read"
         return self.staged.hidden
 
@@ -98,11 +121,39 @@ class StageMoments:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         self.weights = weights  # name -> float weight [N, K]: accumulate shifts (see the class docstring)
-        self.dtype = dtype  # of the sums
-        self.cross = None if weights is not None else torch.zeros(k, k, device=device, dtype=dtype)
+        self.dtype, self.k, self.device = dtype, k, device  # of the sums
+        self.cross: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
-        self.shifts = {n: torch.zeros(w.shape[0], k, device=device, dtype=dtype) for n, w in (weights or {}).items()}
+        self.shifts: dict[str, torch.Tensor] = {}
+        self._fresh()
         self.count = 0
+
+    def _zeros(self, rows: int) -> torch.Tensor:
+        with torch.inference_mode(False):  # a normal tensor: the sums are added up in place after the stage
+            return torch.zeros(rows, self.k, device=self.device, dtype=self.dtype)
+
+    def _fresh(self) -> None:
+        """Zero sums (the residual's is made at its first use: only a stage that writes the stream has one)."""
+        self.cross = None if self.weights is not None else self._zeros(self.k)
+        self.residual = None
+        self.shifts = {n: self._zeros(w.shape[0]) for n, w in (self.weights or {}).items()}
+
+    def take_chunk(self) -> dict[str, torch.Tensor]:
+        """The sums so far, by name; later tokens are summed into fresh buffers (the block loop adds the chunks up
+        in the Hessians' fixed order)."""
+        out = {f"shift:{name}": shift for name, shift in self.shifts.items()}
+        if self.cross is not None:
+            out["cross"] = self.cross
+        if self.residual is not None:
+            out["residual"] = self.residual
+        self._fresh()
+        return out
+
+    def put_totals(self, totals: dict[str, torch.Tensor], count: int) -> None:
+        """Replace the sums by ``totals`` (:meth:`take_chunk`'s names), over ``count`` token rows."""
+        self.cross, self.residual = totals.get("cross"), totals.get("residual")
+        self.shifts = {name.removeprefix("shift:"): v for name, v in totals.items() if name.startswith("shift:")}
+        self.count = count
 
     @staticmethod
     def direct_is_cheaper(k: int, out_features: list[int]) -> bool:
@@ -124,12 +175,15 @@ class StageMoments:
             self.cross.addmm_(float_inputs.reshape(-1, k).to(dtype).T, x)
             if e is not None:
                 if self.residual is None:
-                    self.residual = torch.zeros(e.shape[1], k, device=x.device, dtype=dtype)
+                    self.residual = self._zeros(e.shape[1])
                 self.residual.addmm_(e.T, x)
         self.count += x.shape[0]
 
     def normalise_(self) -> None:
-        """Divide as GPTQ's Hessian is divided: ``2 / n`` (out of place: the sums may be inference tensors)."""
+        """Divide as GPTQ's Hessian is divided: ``2 / n`` (out of place: the sums may be inference tensors); no rows
+        (an expert no token was routed to): nothing to divide."""
+        if self.count == 0:
+            return
         scale = 2.0 / self.count
         if self.cross is not None:
             self.cross = self.cross * scale
@@ -184,6 +238,17 @@ class FloatCompanion:
     def __init__(self, path: FloatPath) -> None:
         self.path = path
         self.moments: StageMoments | None = None
+        self._totals = False  # the block loop handed this stage's sums over every mini-batch
+
+    def take_chunk(self) -> dict[str, torch.Tensor]:
+        assert self.moments is not None
+        return self.moments.take_chunk()
+
+    def put_totals(self, totals: dict[str, torch.Tensor] | None, count: int) -> None:
+        assert self.moments is not None
+        if totals is not None:  # None: another process solves this stage
+            self.moments.put_totals(totals, count)
+            self._totals = True
 
     def open_stage(self, staged: StagedBlock, stage: Stage, in_features: int) -> Iterator[torch.Tensor]:
         linears = {name: get_module(staged.block, name) for name in stage.linears}
@@ -192,6 +257,7 @@ class FloatCompanion:
             self.moments = StageMoments(in_features, staged.hidden.device, weights)
         else:
             self.moments = StageMoments(in_features, staged.hidden.device)
+        self.path.follow(staged)
         return self.path.stage_inputs(stage.name)
 
     def observe(self, staged: StagedBlock, stage: Stage, rows: slice, inputs: torch.Tensor, own: torch.Tensor) -> None:
@@ -203,7 +269,9 @@ class FloatCompanion:
     def close_stage(self) -> StageMoments:
         assert self.moments is not None
         moments, self.moments = self.moments, None
-        moments.normalise_()
+        if self._totals:
+            moments.normalise_()
+        self._totals = False
         return moments
 
     def float_output(self) -> torch.Tensor:
@@ -218,19 +286,16 @@ class _Hooks(Hooks):
                 f"({', '.join(job.arch.sandwich_norms)}) stands between the solved linears and the residual stream "
                 "whose error the targets correct; drop --float-targets"
             )
-        if job.arch.moe is not None:
-            raise QuantkitError(
-                f"--float-targets is not defined for mixture-of-experts models ({job.arch.family}): its float path "
-                "follows one dense MLP, not routed experts; drop --float-targets (GPTQ, AWQ and --rotate work)"
-            )
 
     def companion(self, config: Any, work: BlockWork) -> Companion:
         # a float copy, before any linear is quantized
-        return FloatCompanion(FloatPath(work.block, work.arch, work.runner, work.float_input))
+        return FloatCompanion(FloatPath(work.block, work.arch, work.runner, work.float_input, work.moe_calibration))
 
     def target_weights(self, config: Any, solver: Any, job: SolveJob, stage_data: Any) -> list[torch.Tensor]:
         hessian = job.hessian
         assert hessian is not None, "float targets need the stage's Hessian"
+        if stage_data.count == 0:  # no calibration row (an expert never routed to): round-to-nearest, as GPTQ does
+            return job.weights
         return [
             float_target(w, hessian, stage_data.shift(name, w, hessian), solver.damp)
             for name, w in zip(job.names, job.weights, strict=True)

@@ -21,6 +21,7 @@ from quantkit.model.architectures import ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.source_weights import SourceWeights
 from quantkit.model.staged_block import StagedBlock
+from quantkit.model.staged_moe import ALL
 
 BlockSchemes = dict[str, QuantScheme | None]  # linear path relative to the block -> scheme (None: kept in float)
 Solved = list[tuple[QuantizedWeight, Any]]  # (quantized weight, its LayerRecord) per linear
@@ -72,6 +73,7 @@ class BlockWork:
     records: list[Any] = field(default_factory=list)
     output: torch.Tensor | None = None  # the solved block's output (after the stages)
     reference_output: torch.Tensor | None = None  # the float block's output on ``float_input``
+    moe_calibration: str = ALL  # a mixture of experts: which tokens an expert's statistics sum over (--moe-calibration)
 
     def write_back(self, name: str, weight: QuantizedWeight) -> None:
         """The block computes with ``weight`` (dequantized) from now on: later stages see its output."""
@@ -112,6 +114,22 @@ class Companion(Protocol):
 
     def float_output(self) -> torch.Tensor:
         """The float block's output, once the last stage has run."""
+        ...
+
+
+class SummingCompanion(Companion, Protocol):
+    """A companion whose stage data are sums over the calibration tokens: the block loop takes them chunk by chunk
+    and adds them up in the fixed order of the Hessians' sums (``quantkit.distributed.reduce``), so that they have
+    the same bits on one process or several."""
+
+    def take_chunk(self) -> dict[str, torch.Tensor]:
+        """The sums over the mini-batches seen since the last call (the same keys on every process); later ones go
+        into fresh buffers."""
+        ...
+
+    def put_totals(self, totals: dict[str, torch.Tensor] | None, count: int) -> None:
+        """The stage's sums over every mini-batch and their row count, before :meth:`close_stage` (None: a process
+        that does not solve the stage, and needs none)."""
         ...
 
 
@@ -156,6 +174,11 @@ class Hooks:
     def transform(self, config: Any, work: BlockWork) -> list[Any]:
         """Rewrite the float block in place on its calibration input; returns its records."""
         return []
+
+    def transform_windows(self, config: Any) -> int | None:
+        """How many leading calibration windows :meth:`transform` reads (None: every one). On several processes one
+        of them transforms the block on those windows, gathered from all, and hands the block to the others."""
+        return None
 
     def solve(self, config: Any, job: SolveJob) -> Solved:
         """A quantized weight and a record per linear of ``job`` (solvers only)."""

@@ -77,13 +77,19 @@ class JobRotation:
         """What the run log records about the rotation."""
         return {"kind": self.config.kind, "seed": self.config.seed, "rotate_heads": self.config.rotate_heads}
 
-    def outer_tensors(self, weights: SourceWeights) -> dict[str, torch.Tensor]:
-        """The rotated embedding, the head with the final norm folded in, and the final norm's ones."""
+    def outer_tensors(self, weights: SourceWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The rotated embedding, the head with the final norm folded in, and the final norm's ones; ``dtype``: the
+        source tensors are cast to it first (GGUF output rotates in float32, as it quantizes them once more)."""
         residual = self.matrices.residual
         assert residual is not None
         norm_name = f"{self.arch.final_norm_path}.weight"
-        embed, norm = weights.get(self.embed_name), weights.get(norm_name)
-        head = embed if self.head_name not in weights else weights.get(self.head_name)
+
+        def get(name: str) -> torch.Tensor:
+            tensor = weights.get(name)
+            return tensor if dtype is None else tensor.to(dtype)
+
+        embed, norm = get(self.embed_name), get(norm_name)
+        head = embed if self.head_name not in weights else get(self.head_name)
         return {
             self.embed_name: rotate_embedding(embed, residual),
             self.head_name: rotate_head(head, norm, residual),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from quantkit.errors import QuantkitError
-from quantkit.quantization.methods.hooks import BlockWork, Hooks, JobView
+from quantkit.quantization.methods.hooks import BlockWork, Hooks
 from quantkit.quantization.methods.records import kind_dict
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.methods.smoothquant_block import smooth_block
@@ -61,17 +61,12 @@ class SmoothQuantRecord:
 
 
 class _Hooks(Hooks):
-    def prepare(self, config: Any, job: JobView) -> None:
-        if job.arch.moe is not None:
-            raise QuantkitError(
-                f"SmoothQuant is not defined for mixture-of-experts models ({job.arch.family}): its scaling groups "
-                "follow one dense MLP, not routed experts; use --method gptq (W8A8 with per-token activations works)"
-            )
-
     def transform(self, config: Any, work: BlockWork) -> list[Any]:
         """Smooth the float block on its calibration input, before its stages are run and solved."""
         quantized = {name: s for name, s in work.schemes.items() if s is not None}
-        report = smooth_block(work.block, work.arch, work.hidden, work.runner, quantized, config, work.storage)
+        report = smooth_block(
+            work.block, work.arch, work.hidden, work.runner, quantized, config, work.storage, work.moe_calibration
+        )
         search = report.search
         plain = None if search is None else search.plain_error
         smooth = None if search is None else search.error

@@ -7,11 +7,16 @@ same function after. The math is :mod:`quantkit.quantization.solvers.smoothquant
 
 The scaling groups are AWQ's (:func:`quantkit.quantization.methods.awq_block.applicable_groups`): one home for
 which module feeds which linears, and which of them a model's shapes let fold (under GQA, v_proj -> o_proj does not).
+In a mixture-of-experts block the post-attention norm's group holds every reader of the norm: the router (kept in
+float, its columns scaled all the same, so routing is unchanged), every routed expert's gate/up, the shared expert's
+gate/up and its sigmoid gate; each expert's up_proj -> down_proj is a group of its own where the activation lets the
+factors through (not gpt_oss's clamped SwiGLU). The factors follow the linears that are quantized: float linears
+take the scales but not a say in them. Inputs are read as the MoE calibration reads them (:func:`_tap`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -21,8 +26,9 @@ from torch import nn
 
 from quantkit.format.input_quant import fake_quantize_input, static_input_scale
 from quantkit.format.scheme import QuantScheme
-from quantkit.model.architectures import ArchSpec, ScalingGroup
+from quantkit.model.architectures import DOWN, ArchSpec, ScalingGroup
 from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.model.staged_moe import ALL, SHARED, expert_stage
 from quantkit.quantization.methods.awq_block import applicable_groups
 from quantkit.quantization.solvers.awq import fold_scales
 from quantkit.quantization.solvers.smoothquant import (
@@ -64,21 +70,46 @@ class _Group:
         return smoothing_scales(self.x_absmax, self.w_absmax, alpha)
 
 
-def _float_pass(
-    block: nn.Module, groups: Sequence[ScalingGroup], hidden: torch.Tensor, runner: BlockRunner, keep: int
-) -> tuple[list[torch.Tensor], torch.Tensor]:
-    """The float block over ``hidden``: each group's input maximum per channel (over every window, as SmoothQuant
-    calibrates), and the output of the first ``keep`` windows (the search's reference)."""
-    maxima: list[torch.Tensor | None] = [None] * len(groups)
-    handles = []
-    for index, group in enumerate(groups):
+@dataclass(frozen=True, slots=True)
+class _Tap:
+    """Where the float pass reads a group's input: the module whose calls see it, and how the group's input follows
+    from such a call's input (None: it is that input)."""
 
-        def grab(_module: nn.Module, args: tuple[Any, ...], index: int = index) -> None:
-            seen = channel_absmax(args[0])
+    module: str
+    derive: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+def _tap(block: nn.Module, arch: ArchSpec, group: ScalingGroup, moe_calibration: str) -> _Tap:
+    """A group's input is its first linear's. A sparse MLP's forward runs each routed expert on its routed tokens
+    only, so there the statistics follow the MoE calibration instead: the post-attention norm's group reads the MoE's
+    own input (every token: the router and the shared expert see them all); a routed expert's down_proj, under
+    ``all``, the expert's activation of every token (under ``routed``: its own calls, the tokens routed to it)."""
+    if arch.moe is None:
+        return _Tap(group.linears[0])
+    if group.prev == arch.norms[1]:
+        return _Tap(arch.mlp_path)
+    expert = expert_stage(arch.stage_of(group.linears[0]).name)
+    if expert is None or expert[0] != DOWN or expert[1] == SHARED or moe_calibration != ALL:
+        return _Tap(group.linears[0])
+    return _Tap(arch.mlp_path, get_module(block, arch.mlp_path).expert_modules()[int(expert[1])].activation)
+
+
+def _float_pass(
+    block: nn.Module, taps: Sequence[_Tap], hidden: torch.Tensor, runner: BlockRunner, keep: int
+) -> tuple[list[torch.Tensor | None], torch.Tensor]:
+    """The float block over ``hidden``: each group's input maximum per channel (over every window, as SmoothQuant
+    calibrates; None for a routed expert no token reached), and the output of the first ``keep`` windows (the
+    search's reference)."""
+    maxima: list[torch.Tensor | None] = [None] * len(taps)
+    handles = []
+    for index, tap in enumerate(taps):
+
+        def grab(_module: nn.Module, args: tuple[Any, ...], index: int = index, tap: _Tap = tap) -> None:
+            seen = channel_absmax(args[0] if tap.derive is None else tap.derive(args[0]))
             known = maxima[index]
             maxima[index] = seen if known is None else torch.maximum(known, seen)
 
-        handles.append(get_module(block, group.linears[0]).register_forward_pre_hook(grab))
+        handles.append(get_module(block, tap.module).register_forward_pre_hook(grab))
     kept = []
     try:
         for start, batch in _batches(hidden, runner):
@@ -89,9 +120,13 @@ def _float_pass(
         for handle in handles:
             handle.remove()
     reference = torch.cat(kept) if kept else hidden.new_empty(0, *hidden.shape[1:], dtype=torch.float32)
-    seen = [m for m in maxima if m is not None]
-    assert len(seen) == len(groups), "every scaling group's input is read in a pass of its block"
-    return seen, reference
+    return maxima, reference
+
+
+def _quantized(group: ScalingGroup, arch: ArchSpec) -> list[str]:
+    """The group's linears that are quantized (a router, kept in float, is scaled but does not set the factors)."""
+    kept = [name for name in group.linears if name not in arch.float_linears]
+    return kept or list(group.linears)
 
 
 def _batches(hidden: torch.Tensor, runner: BlockRunner) -> Iterator[tuple[int, torch.Tensor]]:
@@ -205,17 +240,25 @@ def smooth_block(
     schemes: Mapping[str, QuantScheme],
     config: SmoothSettings,
     storage: torch.dtype,
+    moe_calibration: str = ALL,
 ) -> SmoothReport:
     """SmoothQuant on one block, in place. ``hidden`` [n, T, H]: the block's float calibration input; ``schemes``:
-    the scheme of each quantized linear (path relative to the block); ``storage``: the dtype scales are stored in."""
+    the scheme of each quantized linear (path relative to the block); ``storage``: the dtype scales are stored in;
+    ``moe_calibration``: which tokens a routed expert's statistics are read on (``--moe-calibration``)."""
     applicable, skipped = applicable_groups(block, arch)
     searched = config.alpha is None
     keep = 0 if not searched else hidden.shape[0] if config.search_samples is None else config.search_samples
-    maxima, reference = _float_pass(block, applicable, hidden, runner, keep)
+    taps = [_tap(block, arch, group, moe_calibration) for group in applicable]
+    maxima, reference = _float_pass(block, taps, hidden, runner, keep)
+    unread = [group for group, x_max in zip(applicable, maxima, strict=True) if x_max is None]
+    assert arch.moe is not None or not unread, "every scaling group's input is read in a pass of its block"
+    skipped += unread  # routed calibration: an expert no token reached has no statistics to smooth by
     groups = [
-        _Group(group, x_max, weight_absmax([get_module(block, n).weight for n in group.linears]))
+        _Group(group, x_max, weight_absmax([get_module(block, n).weight for n in _quantized(group, arch)]))
         for group, x_max in zip(applicable, maxima, strict=True)
+        if x_max is not None
     ]
+    applicable = [g.group for g in groups]
     report = SmoothReport(alpha=config.alpha, search=None, groups=list(applicable), skipped=skipped)
     if searched:
         trial = _Trial(block, arch, groups, schemes, hidden[: reference.shape[0]], reference, runner, storage)

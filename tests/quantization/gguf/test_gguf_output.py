@@ -6,6 +6,7 @@ inspect/eval read the file, and bad inputs stop in one line with nothing written
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -170,6 +171,30 @@ def test_an_existing_output_needs_force(model_dir, tmp_path, capsys) -> None:
     out.write_bytes(b"old")
     code, _, stderr = run_cli(["quantize", str(model_dir), "-o", str(out), "--format", "gguf:Q6_K"], capsys)
     assert code != 0 and "pass --force" in stderr and out.read_bytes() == b"old"
+
+
+def test_a_second_run_on_one_file_is_refused_and_a_killed_run_s_leftovers_go(model_dir, tmp_path, capsys) -> None:
+    from quantization.test_output_lock import _holder
+
+    out = tmp_path / "x.gguf"
+    holder = _holder(out)  # another run writing this file
+    try:
+        code, _, stderr = run_cli(["quantize", str(model_dir), "-o", str(out), "--format", "gguf:Q6_K"], capsys)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 2 and f"being written by another quantkit run (pid {holder.pid}" in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and not out.exists()
+    live = os.getppid()  # a live process's pid: the lock, not the pid, says these are a dead run's
+    left = [tmp_path / f".x.gguf.work-{live}", tmp_path / f".x.gguf.tmp-{live}"]
+    left[0].mkdir()
+    left[1].write_bytes(b"half a file")
+    code, _, stderr = run_cli(
+        ["quantize", str(model_dir), "-o", str(out), "--format", "gguf:Q6_K", "--method", "rtn"], capsys
+    )
+    assert code == 0, stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.gguf"]  # the leftovers and the lock are gone
+    assert gguf.GGUFReader(out).tensors
 
 
 def test_an_architecture_without_gguf_stops_before_any_work(tmp_path, capsys) -> None:

@@ -21,6 +21,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from rich.console import Console
@@ -144,17 +145,31 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write all rows as JSON")
     parser.add_argument("--record", default=None, help="record the table as benchmarks/results/NAME.json")
     parser.add_argument("--order", type=int, default=35, help="the recorded table's place on the page")
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        default=None,
+        help="table (and --record) from an earlier run's --json, rows as they are",
+    )
     args = parser.parse_args()
     rows = quality_rows(args.samples) if args.matrix == "quality" else seed_rows(args.samples)
     if args.only:
         rows = [r for r in rows if r.label in set(args.only.split(","))]
     console = Console(width=max(Console().width, 160))
     cells, records = [], []
+    if args.from_json is not None:  # a run stopped early: its finished rows, measured then
+        by_label = {r["row"]: r for r in json.loads(args.from_json.read_text())}
+        rows = [r for r in rows if r.label in by_label]
+        records = [by_label[row.label] for row in rows]
+        for row, record in zip(rows, records, strict=True):
+            results = {d: SimpleNamespace(**record[d]) for d in DOMAINS}
+            size_mb = record["quantize"]["checkpoint_bytes"] / 1e6
+            cells.append(_cells(row, size_mb, record["bpw"], results))  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         paths: dict[str, Path] = {}
-        for row in rows:
+        for row in rows if args.from_json is None else []:
             console.print(f"[bold]{row.label}[/]")
             out = where / row.label.replace(" ", "_").replace("/", "_").replace("(", "").replace(")", "")
             summary = out.with_suffix(".json")
@@ -171,7 +186,7 @@ def main() -> None:
                 results[domain] = _evaluate(out, args.model, text, args.eval_windows, compare)
             bpw = inspect_checkpoint(out).model_bits_per_weight
             cells.append(_cells(row, q["checkpoint_bytes"] / 1e6, bpw, results))
-            records.append({"row": row.label, "seed": row.seed, "samples": row.samples, "quantize": q}
+            records.append({"row": row.label, "seed": row.seed, "samples": row.samples, "quantize": q, "bpw": bpw}
                            | {d: r.to_dict() for d, r in results.items()})  # fmt: skip
             console.print("  " + " | ".join(cells[-1][3:]))
             if args.json:

@@ -128,6 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-speed", action="store_true", help="skip llama-bench")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and commands here")
     parser.add_argument("--record", default=None, help="record the table as benchmarks/results/<name>.json")
+    parser.add_argument("--note", action="append", default=[], help="a reading of the figures for the record")
     return parser.parse_args(argv)
 
 
@@ -243,7 +244,7 @@ def record_notes(scored: list[Scored], verdicts: dict[str, dict[str, object]], s
         kl = verdict["raw"].get("kl_difference") if isinstance(verdict.get("raw"), dict) else None
         if isinstance(kl, dict):
             notes.append(
-                f"{label}: paired KL difference {kl['mean']:+.4f} ± {kl['se']:.4f} ({kl['verdict']}) against "
+                f"{label}: paired KL difference {kl['mean']:+.4f} ± {kl['se']:.2g} ({kl['verdict']}) against "
                 "llama.cpp's imatrix file."
             )
     times = [f"{s.label} {s.seconds_to_make:.0f} s" for s in scored if s.seconds_to_make is not None]
@@ -307,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         from benchmarks.record import record_table
 
-        notes = record_notes(scored, verdicts, speeds)
+        notes = record_notes(scored, verdicts, speeds) + args.note
         record_table(
             args.record,
             title="llama.cpp K-quant mixes solved by GPTQ",

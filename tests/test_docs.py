@@ -121,3 +121,11 @@ def test_the_supported_architectures_section_names_every_model_type_of_the_table
     section = text.split("## Supported architectures", 1)[1].split("\n## ", 1)[0]
     named = set(re.findall(r"`([a-z0-9_]+)`", section))
     assert set(supported_model_types()) <= named, sorted(set(supported_model_types()) - named)
+
+
+def test_the_recipe_page_names_every_gate_the_report_checks() -> None:
+    from quantkit.recipes.report import GATES
+
+    gates_item = (DOCS / "recipes.md").read_text().split("- `gates`:", 1)[1].split("\n- `", 1)[0]
+    missing = [name for name in GATES if name not in gates_item]
+    assert not missing, f"docs/recipes.md's gates item does not name {missing}"

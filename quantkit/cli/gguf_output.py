@@ -54,7 +54,7 @@ def run_gguf_quantize(
     from quantkit.model.resolve import resolve_model
     from quantkit.quantization.gguf.driver import GGUFOutputConfig, check_output, quantize_to_gguf
     from quantkit.quantization.gguf.mixes import mix_of
-    from quantkit.quantization.gguf.solve import FLOAT_TARGETS_REFUSED, METHODS, SolveSettings
+    from quantkit.quantization.gguf.solve import METHODS, SolveSettings
     from quantkit.quantization.methods.float_targets import FloatTargetsConfig
     from quantkit.quantization.methods.gptq import GPTQConfig
     from quantkit.quantization.methods.rotation import RotationConfig
@@ -77,10 +77,13 @@ def run_gguf_quantize(
 
         check_target(float(target_bpw or 0))
     config = config_from_options(job_values, calibration=calibration, calibration_file=calibration_file)
-    others = [type(c).__name__ for c in config.solvers if not isinstance(c, (GPTQConfig, RTNConfig, RotationConfig))]
+    accepted = (GPTQConfig, RTNConfig, RotationConfig, FloatTargetsConfig)
+    others = [type(c).__name__ for c in config.solvers if not isinstance(c, accepted)]
     rotation = next((c for c in config.solvers if isinstance(c, RotationConfig)), None)
-    if any(isinstance(c, FloatTargetsConfig) for c in config.solvers):
-        raise QuantkitError(f"--float-targets does not apply to --format gguf:{mix}: {FLOAT_TARGETS_REFUSED}")
+    # --float-targets without GPTQ was refused by config_from_options, in the compressed-tensors path's words; with
+    # gguf:auto the budget's ranking (round-to-nearest error under the float Hessians) does not depend on the
+    # targets, so the planned types are solved on float targets like a named mix's
+    float_targets = any(isinstance(c, FloatTargetsConfig) for c in config.solvers)
     if config.method not in METHODS or others:
         got = ", ".join(others) or config.method
         raise QuantkitError(f"--format gguf:{mix} solves with --method {' or '.join(METHODS)} alone; got {got}")
@@ -109,6 +112,7 @@ def run_gguf_quantize(
         device=config.device,
         show_progress=config.show_progress,
         rotation=rotation,
+        float_targets=float_targets,
     )
     budget = None
     if auto:
@@ -134,6 +138,7 @@ def run_gguf_quantize(
 
 def _result_table(model: str, result: Any) -> Table:
     folded = "" if result.rotation == "none" else f", {result.rotation} rotation folded in"
+    folded += ", float targets" if result.float_targets else ""
     table = Table(title=f"Quantized {model} -> {result.output} (GGUF {result.mix}{folded})", title_justify="left")
     columns = ["method", "tensors", "fallbacks to RTN", "seconds", "peak RSS MB", "file MB"]
     for column in columns:

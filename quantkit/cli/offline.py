@@ -204,7 +204,8 @@ def quantize(
             "Q5_K_M, Q6_K, Q3_K_M, Q2_K, ...: llama.cpp's mixes, solved on their own grids): -o names the .gguf "
             "file, which is the checkpoint; gguf:auto with --target-bpw chooses each tensor's type. With --rotate "
             "hadamard the rotation folds into the file, whose head is then untied (output.weight): SmolLM2-135M's "
-            "Q4_K_M tensors grow from 103.7 to 123.1 MB (+19.5 MB, +19%).",
+            "Q4_K_M tensors grow from 103.7 to 123.1 MB (+19.5 MB, +19%). With --float-targets (GPTQ) each linear "
+            "is solved on its GGML grid toward the float model's outputs.",
         ),
     ] = None,
     target_bpw: Annotated[

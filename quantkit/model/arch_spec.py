@@ -117,6 +117,10 @@ class ArchSpec:
     # Gemma's sandwich norms: (after attention, after the MLP), each applied to its sub-block's output before the
     # residual add; norms[1] is then the pre-MLP norm (the one the MLP's linears read)
     sandwich_norms: tuple[str, str] | None = None
+    # the token mixers multiply their output elementwise by a learned gate before the output projection (Qwen3.5's
+    # full attention: sigmoid(gate) * attention; its DeltaNet: a gated per-head norm before out_proj): a rotation of
+    # each head between the value and output projections does not commute with it
+    gated_attention_output: bool = False
     sliding_window_by_default: bool = False  # config.json's sliding_window applies unless use_sliding_window is false
     # config.json's layer_types pick each layer's attention (Gemma 3): "sliding_attention" layers attend to the last
     # sliding_window keys under rope_parameters["sliding_attention"], "full_attention" layers to every key under

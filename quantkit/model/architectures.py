@@ -138,6 +138,7 @@ ARCHITECTURES: tuple[ArchSpec, ...] = (
         qk_norm=True,
         norm_offset=1.0,
         partial_rotary=True,
+        gated_attention_output=True,
         gguf_arch=None,
         # its router always renormalises the top-k weights (transformers' Qwen3_5MoeTopKRouter; no norm_topk_prob key)
         moe=MoESpec(shared_expert="shared_expert", shared_expert_gate="shared_expert_gate", renormalize_key=None),

@@ -288,7 +288,7 @@ def _run_blocks(
         run.memory = work.memory_strategy(device, spill)
         for visit in visits:
             for hooks, state in folds:
-                hooks.fold(state, visit.module)
+                hooks.fold(state, visit.module, visit.index)
             schemes = job.assignment.for_block(visit.prefix)
             layer_run = replace(run, arch=job.arch.for_layer(visit.index)) if job.arch.mixers else run  # hybrid
             if ranks is not None:

@@ -1,7 +1,7 @@
 """A recipe's GGUF outputs (``output.gguf: [Q4_K_M, ...]``): llama.cpp's mixes solved from the float model with
 the recipe's solver (GPTQ or round-to-nearest) on the recipe's calibration windows, with the recipe's rotation
-folded in when it has one, each written as ``<directory>.<MIX>.gguf`` beside the checkpoint; kept while the
-checkpoint is unchanged."""
+folded in when it has one and its float targets when it has them, each written as ``<directory>.<MIX>.gguf``
+beside the checkpoint; kept while the checkpoint is unchanged."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def gguf_path(output: Path, mix: str) -> Path:
 def gguf_stages(run: RecipeRun, calib_path: Path, output: Path) -> None:
     from quantkit.export.gguf_typed import write_typed_gguf
     from quantkit.quantization.gguf.driver import GGUFOutputConfig, quantize_to_gguf
-    from quantkit.quantization.gguf.solve import FLOAT_TARGETS_REFUSED, GPTQ, RTN, SolveSettings
+    from quantkit.quantization.gguf.solve import GPTQ, RTN, SolveSettings
     from quantkit.quantization.methods.float_targets import FloatTargetsConfig
     from quantkit.quantization.methods.gptq import GPTQConfig
     from quantkit.quantization.methods.rotation import RotationConfig
@@ -31,12 +31,12 @@ def gguf_stages(run: RecipeRun, calib_path: Path, output: Path) -> None:
     configs = q.solver_configs()
     gptq = next((c for c in configs if isinstance(c, GPTQConfig)), None)
     rotation = next((c for c in configs if isinstance(c, RotationConfig)), None)
-    if any(isinstance(c, FloatTargetsConfig) for c in configs):
-        raise QuantkitError(f"output.gguf does not take the recipe's float_targets: {FLOAT_TARGETS_REFUSED}")
-    if any(not isinstance(c, (GPTQConfig, RTNConfig, RotationConfig)) for c in configs):
+    float_targets = any(isinstance(c, FloatTargetsConfig) for c in configs)  # GPTQ with it: the schema checked
+    if any(not isinstance(c, (GPTQConfig, RTNConfig, RotationConfig, FloatTargetsConfig)) for c in configs):
         names = ", ".join(type(c).__name__ for c in configs)
         raise QuantkitError(
-            f"output.gguf solves with GPTQ or round-to-nearest (and a rotation) only; the recipe's solvers are {names}"
+            f"output.gguf solves with GPTQ or round-to-nearest (and a rotation, float targets) only; the recipe's "
+            f"solvers are {names}"
         )
     settings = SolveSettings(method=GPTQ if gptq else RTN, act_order=q.quant_scheme().act_order, gptq=gptq)
     quantized_again = any(r.name == "quantize" and not r.cached for r in run.stages)
@@ -54,6 +54,7 @@ def gguf_stages(run: RecipeRun, calib_path: Path, output: Path) -> None:
                     device=run.recipe.device,
                     show_progress=run.show_progress,
                     rotation=rotation,
+                    float_targets=float_targets,
                 )
                 quantize_to_gguf(run.recipe.model, job, path, write_typed_gguf)
             st.detail = str(path)

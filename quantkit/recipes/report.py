@@ -25,7 +25,14 @@ REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
 PER_LAYER_PNG = "per_layer.png"
 FRONTIER_PNG = "frontier.png"
-GATES = ("max_ppl_increase_pct", "max_kl_mean", "min_top1_agreement", "min_quantized_fraction", *BEHAVIOUR_GATES)
+GATES = (
+    "max_ppl_increase_pct",
+    "max_kl_mean",
+    "min_top1_agreement",
+    "min_quantized_fraction",
+    "max_checkpoint_mb",
+    *BEHAVIOUR_GATES,
+)
 
 
 @dataclass(slots=True)
@@ -82,16 +89,22 @@ class RecipeReport:
 
 
 def check_gates(
-    gates: Any, quantized: dict[str, Any], baseline: dict[str, Any], quantized_fraction: float
+    gates: Any,
+    quantized: dict[str, Any],
+    baseline: dict[str, Any],
+    quantized_fraction: float,
+    size_mb: float | None = None,
 ) -> list[GateResult]:
     """Each gate the recipe sets (``gates``: its gates section), measured against its threshold; the evaluations
-    give the quality and behaviour gates, the checkpoint's coverage audit its ``quantized_fraction``. A gate on a
-    figure that does not apply (a tag close rate where the template has no reasoning tags) is not checked."""
+    give the quality and behaviour gates, the checkpoint's coverage audit its ``quantized_fraction``, its files
+    their ``size_mb``. A gate on a figure that does not apply (a tag close rate where the template has no
+    reasoning tags) is not checked."""
     measured = {
         "max_ppl_increase_pct": (quantized["perplexity"] / baseline["perplexity"] - 1) * 100,
         "max_kl_mean": quantized["kl_mean"],
         "min_top1_agreement": quantized["top1_agreement"],
         "min_quantized_fraction": quantized_fraction,
+        "max_checkpoint_mb": size_mb,
     } | behaviour_measures(quantized.get("behaviour"))
     results = []
     for name in GATES:

@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 from quantkit.format.coverage import audit_checkpoint
+from quantkit.format.files import shard_files
 from quantkit.quantization.output_lock import output_lock
 from quantkit.recipes.card_evaluation import update_model_card
 from quantkit.recipes.gguf_stage import gguf_stages
@@ -61,7 +62,9 @@ def _run(
     quantized, baseline = evaluate_stages(run, model_id, output)
     audit = audit_checkpoint(output)
     run.figures["quantized fraction"] = round(audit.quantized_fraction, 6)
-    gates = check_gates(recipe.gates, quantized, baseline, audit.quantized_fraction)
+    size_mb = sum(f.stat().st_size for f in shard_files(output)) / 1e6
+    run.figures["checkpoint MB"] = round(size_mb, 3)
+    gates = check_gates(recipe.gates, quantized, baseline, audit.quantized_fraction, size_mb)
     smoke = smoke_stage(run, output)
     report = RecipeReport(
         recipe=str(recipe_path) if recipe_path else "",

@@ -227,6 +227,8 @@ class GatesSection(FileModel):
     min_top1_agreement: float | None = Field(None, ge=0, le=1)
     # of the block linears' weights (params; embeddings, head and norms aside), the part written quantized
     min_quantized_fraction: float | None = Field(None, ge=0, le=1)
+    # the whole checkpoint's safetensors files, in MB (10^6 bytes): what users download and compare at equal size
+    max_checkpoint_mb: float | None = Field(None, gt=0)
     min_end_rate: float | None = Field(None, ge=0, le=1)  # share of the checkpoint's replies that end
     # the checkpoint's repetition (share of repeated 4-grams) minus the reference's
     max_repetition_increase: float | None = Field(None, ge=-1, le=1)

@@ -72,6 +72,7 @@ gates:                         # each optional; a failing gate makes `quantkit r
   max_kl_mean: 0.25            # mean KL divergence from the reference (nats/token)
   min_top1_agreement: 0.75     # fraction of positions with the reference's top-1 token
   min_quantized_fraction: 1.0  # of the block linears' weights, the part written quantized (ignore lowers it)
+  # max_checkpoint_mb: 113.2   # the whole checkpoint's safetensors files, in MB (10^6 bytes)
   # with evaluation.behaviour (the float model's own end rate on the shipped prompts is about 0.7):
   # min_end_rate: 0.6          # share of the checkpoint's replies that end within the token limit
   # max_repetition_increase: 0.05  # share of repeated 4-grams, the checkpoint's minus the reference's

@@ -1,11 +1,14 @@
-"""Folding orthogonal rotations into a Llama-family decoder's float weights, one block at a time.
+"""Folding orthogonal rotations into a decoder's float weights, one block at a time.
 
-With the residual stream rotated (x' = x Q, row vectors) and the RMSNorm weights absorbed into the linears that
-read the norms' outputs (weights become ones), every linear that reads the residual gets W' = W Q, every linear
-that writes it W' = Q^T W (bias' = bias Q), the embedding E' = E Q and the head W' = (W ⊙ w_final) Q. A per-head
-rotation R between v_proj and o_proj turns each kv head's rows of v_proj into R^T W_v[h] and each attention
-head's columns of o_proj into W_o[:, h] R. Everything is computed in float64, in row chunks, and stored back in
-the weights' dtype; nothing needs more than one block, so a model larger than memory can be streamed.
+With the residual stream rotated (x' = x Q, row vectors) and the RMSNorm scales absorbed into the linears that read
+the norms' outputs (a norm multiplies each channel by offset + w, ``ArchSpec.norm_offset``; folded, it stores
+w = 1 - offset and multiplies by one), every linear that reads the residual gets W' = (W ⊙ s) Q, every linear that
+writes it W' = Q^T W (bias' = bias Q), the embedding E' = E Q and the head W' = (W ⊙ s_final) Q. A per-head
+rotation R between v_proj and o_proj turns each kv head's rows of v_proj into R^T W_v[h] and each attention head's
+columns of o_proj into W_o[:, h] R (not where the attention output is gated elementwise before o_proj). A hybrid
+model's layers differ in their token mixer: each block is folded under its own layer's spec (``ArchSpec.for_layer``).
+Everything is computed in float64, in row chunks, and stored back in the weights' dtype; nothing needs more than
+one block, so a model larger than memory can be streamed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec
 from quantkit.model.blocks import get_module
-from quantkit.rotation.norms import check_rmsnorm
+from quantkit.rotation.norms import check_rmsnorm, norm_scale, unit_weight
 
 _CHUNK_ELEMENTS = 1 << 22  # float64 temporaries of at most 32 MiB
 _V_PROJ = "v_proj"  # the qkv linear whose output rows the head rotation turns
@@ -39,17 +42,41 @@ def rotate_embedding(weight: torch.Tensor, residual: torch.Tensor) -> torch.Tens
     return rotate_rows(weight, residual)
 
 
-def rotate_head(head_weight: torch.Tensor, final_norm_weight: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """The lm_head [vocab, hidden] with the final norm's weight absorbed: (W ⊙ w_final) Q. The caller sets the
-    final norm's weight to ones; with tied embeddings ``head_weight`` is the original (unrotated) embedding and
-    the result must be stored as a separate, untied head."""
-    return rotate_rows(head_weight, residual, scale=final_norm_weight)
+def rotate_head(
+    head_weight: torch.Tensor, final_norm_weight: torch.Tensor, residual: torch.Tensor, norm_offset: float = 0.0
+) -> torch.Tensor:
+    """The lm_head [vocab, hidden] with the final norm's scale absorbed: (W ⊙ (norm_offset + w_final)) Q. The caller
+    sets the final norm's weight to ``unit_weight(norm_offset)``; with tied embeddings ``head_weight`` is the original
+    (unrotated) embedding and the result must be stored as a separate, untied head."""
+    return rotate_rows(head_weight, residual, scale=norm_scale(final_norm_weight, norm_offset))
+
+
+def head_rotation_refusal(arch: ArchSpec) -> str | None:
+    """Why the per-head rotation between v_proj and o_proj cannot fold into ``arch``'s layers (None: it can)."""
+    if arch.gated_attention_output:
+        return (
+            f"{arch.family} multiplies each attention output elementwise by a learned gate before the output "
+            "projection, which a per-head rotation does not commute with"
+        )
+    return None
+
+
+def _inside(arch: ArchSpec, module_path: str) -> tuple[str, ...]:
+    return tuple(name for name in arch.float_linears if name.startswith(f"{module_path}."))
 
 
 def _norm_readers(arch: ArchSpec) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """(block norm, the linears that read its output): the qkv stage after norms[0], gate_up after norms[1] (in a
-    mixture of experts, with the router and the shared expert's gate, which stay float: folding is exact there)."""
-    return (arch.norms[0], arch.stage(QKV).linears), (arch.norms[1], arch.stage(GATE_UP).linears + arch.float_linears)
+    """(block norm, the linears that read its output): norms[0] is read by the qkv stage and the float linears inside
+    the token mixer (a gated DeltaNet's in_proj_b / in_proj_a), norms[1] by gate_up and the float linears inside the
+    MLP (a mixture of experts' router and shared expert gate). Float linears stay float: folding is exact there."""
+    mixer, mlp = _inside(arch, arch.attn_path), _inside(arch, arch.mlp_path)
+    stray = set(arch.float_linears) - set(mixer) - set(mlp)
+    if stray:  # a float linear whose input the table does not say: folding it behind either norm may be wrong
+        raise QuantkitError(
+            f"cannot fold a rotation: the {arch.family} float linears {sorted(stray)} sit neither in "
+            f"'{arch.attn_path}' nor in '{arch.mlp_path}'; check the architecture entry"
+        )
+    return (arch.norms[0], arch.stage(QKV).linears + mixer), (arch.norms[1], arch.stage(GATE_UP).linears + mlp)
 
 
 def _residual_writers(arch: ArchSpec) -> tuple[str, ...]:
@@ -82,14 +109,23 @@ def _float_linear(block: nn.Module, path: str, hidden: int, dim: int) -> nn.Modu
 
 
 def check_foldable(block: nn.Module, arch: ArchSpec) -> None:
-    """Raise a QuantkitError naming the module that keeps rotations from folding into ``block``: a block norm
-    that is no RMSNorm, or a linear that is missing, quantized, or of the wrong shape."""
+    """Raise a QuantkitError naming what keeps rotations from folding into ``block`` (``arch``: its layer's spec):
+    norms on the sub-blocks' outputs, a block norm that is no RMSNorm of the declared form, or a linear that is
+    missing, quantized, or of the wrong shape."""
+    assert not arch.mixers, "a hybrid model's block folds under its layer's spec (ArchSpec.for_layer)"
+    if arch.sandwich_norms is not None:
+        after_attn, after_mlp = arch.sandwich_norms
+        raise QuantkitError(
+            f"cannot fold a rotation into {arch.family}: its sandwich norms '{after_attn}' and '{after_mlp}' scale "
+            "the attention's and the MLP's outputs channel by channel before the residual add, where no linear can "
+            "absorb their weights; quantize it without a rotation (--rotate none)"
+        )
     for norm_path in arch.norms[:2]:
         try:
             norm = get_module(block, norm_path)
         except AttributeError:
             raise QuantkitError(f"cannot fold a rotation: the block has no norm '{norm_path}'") from None
-        check_rmsnorm(norm, norm_path)
+        check_rmsnorm(norm, norm_path, arch.norm_offset)
     hidden = get_module(block, arch.norms[0]).weight.shape[0]
     for _, readers in _norm_readers(arch):
         for path in readers:
@@ -135,16 +171,21 @@ def _value_rows(block: nn.Module, arch: ArchSpec, d: int) -> tuple[torch.Tensor,
 
 
 def fold_block(block: nn.Module, arch: ArchSpec, residual: torch.Tensor, head: torch.Tensor | None = None) -> None:
-    """Fold the residual rotation (and the head rotation, if given) into one decoder block, in place: the two
-    block norms are absorbed into the linears that read them and set to ones. Per-head q/k norms (Qwen3) stay."""
+    """Fold the residual rotation (and the head rotation, if given) into one decoder block, in place (``arch``: its
+    layer's spec, ``ArchSpec.for_layer``): the two block norms are absorbed into the linears that read them and set
+    to multiply by one. Per-head q/k norms (Qwen3, Qwen3.5) act after the projections and stay as they are."""
     check_foldable(block, arch)
+    refusal = None if head is None else head_rotation_refusal(arch)
+    if refusal is not None:
+        raise QuantkitError(f"cannot rotate attention heads: {refusal}; rotate the residual stream only")
     with torch.no_grad():
         for norm_path, readers in _norm_readers(arch):
             norm = get_module(block, norm_path)
+            scale = norm_scale(norm.weight, arch.norm_offset)
             for path in readers:
                 linear = get_module(block, path)
-                linear.weight.copy_(rotate_rows(linear.weight, residual, scale=norm.weight))
-            norm.weight.fill_(1.0)
+                linear.weight.copy_(rotate_rows(linear.weight, residual, scale=scale))
+            norm.weight.fill_(unit_weight(arch.norm_offset))
         for path in _residual_writers(arch):
             linear = get_module(block, path)
             linear.weight.copy_(rotate_rows(linear.weight.T, residual).T)

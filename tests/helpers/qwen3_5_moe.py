@@ -40,12 +40,13 @@ CONFIG: dict[str, object] = {
 }
 
 
-def tiny_qwen3_5_moe(seed: int = 0, initializer_range: float | None = None) -> PreTrainedModel:
+def tiny_qwen3_5_moe(seed: int = 0, initializer_range: float | None = None, **changes: object) -> PreTrainedModel:
     """A float32 Qwen3_5MoeForCausalLM in eval mode; ``initializer_range`` replaces CONFIG's 0.1 (0.02 is the
-    config's own default, at which the random model is about as sensitive to quantization as a dense one)."""
+    config's own default, at which the random model is about as sensitive to quantization as a dense one); ``changes``:
+    other entries of CONFIG replaced (e.g. layer_types with num_hidden_layers, tie_word_embeddings)."""
     torch.manual_seed(seed)
     overrides = {} if initializer_range is None else {"initializer_range": initializer_range}
-    config = AutoConfig.for_model("qwen3_5_moe_text", **(CONFIG | overrides))
+    config = AutoConfig.for_model("qwen3_5_moe_text", **(CONFIG | overrides | changes))
     model = AutoModelForCausalLM.from_config(config).to(torch.float32).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -54,7 +55,7 @@ def tiny_qwen3_5_moe(seed: int = 0, initializer_range: float | None = None) -> P
     return model
 
 
-def save_tiny_qwen3_5_moe(path: Path, seed: int = 0, initializer_range: float | None = None) -> Path:
-    tiny_qwen3_5_moe(seed, initializer_range).save_pretrained(path)
+def save_tiny_qwen3_5_moe(path: Path, seed: int = 0, initializer_range: float | None = None, **changes: object) -> Path:
+    tiny_qwen3_5_moe(seed, initializer_range, **changes).save_pretrained(path)
     build_word_tokenizer().save_pretrained(path)
     return path

@@ -2,7 +2,8 @@
 the inputs transformers' own forward gives their linears (partial rotary, causal attention, the delta rule's torch
 fallback), experts per expert with the shared expert and its gate, in_proj_b / in_proj_a kept in float beside the
 router, RTN / GPTQ / AWQ with logits read back through quantkit's loader and (symmetric schemes) transformers', the
-coverage audit's kinds, and --rotate refused in one line."""
+coverage audit's kinds, and --rotate hadamard folded into both layer kinds (residual rotation only: the attention output
+is gated before its projection) with RTN and GPTQ."""
 
 from __future__ import annotations
 
@@ -176,16 +177,67 @@ def test_llm_compressors_recipe_keeps_linear_attention_float_and_its_fused_pair_
     assert kinds[LINEAR_ATTENTION].quantized_params == 0 and kinds[ROUTED].quantized_params == kinds[ROUTED].params
 
 
-def test_rotation_is_refused_in_one_line(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # (the runtime serves this model: tests/runtime/test_qwen3_5_moe.py)
-    code, _, err = run_cli(
-        ["quantize", str(model_dir), "-o", str(tmp_path / "r"), "--method", "rtn", "--rotate", "hadamard"], capsys
-    )
-    assert (
-        code != 0
-        and "--rotate is not defined for qwen3_5_moe" in err
-        and len([line for line in err.splitlines() if line.startswith("error")]) == 1
-    )
+def _quantize_rotated(model_dir: Path, calib: Path, target: Path, method: str) -> tuple[float, float]:
+    """``--rotate hadamard`` with ``method`` at W4 g32: the logit error through quantkit's loader and transformers'."""
+    args = ["quantize", str(model_dir), "-o", str(target), "--calib", str(calib), "--group-size", "32"]
+    assert cli_exit_code([*args, "--method", method, "--rotate", "hadamard"]) == 0
+    ids = load_file(str(calib))["input_ids"].long()
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(input_ids=ids).logits
+        ours = relative_error(load_model(target)(input_ids=ids).logits, expected)
+        loaded = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)  # reads the norms' zeros as 1 + 0
+        theirs = relative_error(loaded(input_ids=ids).logits, expected)
+    return ours, theirs
+
+
+def _check_rotated_checkpoint(model_dir: Path, out: Path) -> None:
+    """The run log names the rotation without head rotation, and why; the block and final norms are stored as zeros
+    (the norm multiplies by 1 + w), the per-head q/k norms as the source has them."""
+    rotation = json.loads((out / "quantkit_log.json").read_text())["rotation"]
+    assert rotation["kind"] == "hadamard" and rotation["rotate_heads"] is False and rotation["untied_head"] is None
+    assert "gate before the output projection" in rotation["heads_skipped"]
+    got, source = load_file(str(out / "model.safetensors")), load_file(str(model_dir / "model.safetensors"))
+    for index in range(NUM_LAYERS):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            weight = got[f"model.layers.{index}.{norm}.weight"]
+            assert torch.equal(weight, torch.zeros_like(weight)), (index, norm)
+    assert torch.equal(got["model.norm.weight"], torch.zeros_like(got["model.norm.weight"]))
+    name = "model.layers.1.self_attn.q_norm.weight"
+    assert torch.equal(got[name], source[name]) and source[name].abs().max() > 0.1
+
+
+def test_rotation_with_rtn_folds_into_both_layer_kinds_with_bounded_logit_error(
+    model_dir: Path, tiny_calib_file: Path, tmp_path: Path
+) -> None:
+    ours, theirs = _quantize_rotated(model_dir, tiny_calib_file, tmp_path / "r", "rtn")
+    assert ours < BOUNDS["rtn"] and abs(theirs - ours) < 1e-4  # measured 0.0279 (unrotated 0.0284)
+    _check_rotated_checkpoint(model_dir, tmp_path / "r")
+
+
+def test_rotation_unties_a_tied_head(tiny_calib_file: Path, tmp_path: Path) -> None:
+    """A Qwen3.5 that ties its head to its embedding: the final norm's 1 + w goes into the head alone, which the
+    checkpoint stores untied; transformers reads it with the float model's logits within W8's error."""
+    model_dir = save_tiny_qwen3_5_moe(tmp_path / "tied", initializer_range=INIT_RANGE, tie_word_embeddings=True)
+    out = tmp_path / "r"
+    args = ["quantize", str(model_dir), "-o", str(out), "--method", "rtn", "--bits", "8", "--group-size", "32"]
+    assert cli_exit_code([*args, "--rotate", "hadamard"]) == 0
+    assert json.loads((out / "quantkit_log.json").read_text())["rotation"]["untied_head"] == "lm_head.weight"
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    ids = load_file(str(tiny_calib_file))["input_ids"].long()
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(input_ids=ids).logits
+        loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        assert relative_error(loaded(input_ids=ids).logits, expected) < 1e-3  # measured 2.6e-4 (unrotated 3.9e-4)
+        assert loaded.lm_head.weight.data_ptr() != loaded.model.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.slow  # a GPTQ run of the 4-layer hybrid, rotated, read back twice (20-40 s here)
+def test_rotation_with_gptq_folds_into_both_layer_kinds_with_bounded_logit_error(
+    model_dir: Path, tiny_calib_file: Path, tmp_path: Path
+) -> None:
+    ours, theirs = _quantize_rotated(model_dir, tiny_calib_file, tmp_path / "g", "gptq")
+    assert ours < BOUNDS["gptq"] and abs(theirs - ours) < 1e-4  # measured 0.0030 (unrotated 0.0028)
+    _check_rotated_checkpoint(model_dir, tmp_path / "g")
 
 
 def test_the_multimodal_checkpoint_is_refused_naming_the_text_model_and_the_fix_works(

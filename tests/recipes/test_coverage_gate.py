@@ -1,6 +1,6 @@
-"""The min_quantized_fraction gate: of the block linears' weights, the part the checkpoint stores quantized, read
-from its coverage audit; a run that leaves more in float than the gate allows fails, and the report and the
-checkpoint's model card carry the audit and the figures."""
+"""The min_quantized_fraction gate (of the block linears' weights, the part the checkpoint stores quantized, read
+from its coverage audit) and the max_checkpoint_mb gate (the checkpoint files' size): a run outside either fails,
+and the report and the checkpoint's model card carry the audit and the figures."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ quantization:
   ignore: ['layers\\.1\\.mlp\\.down_proj']
 output: {{directory: {tmp_path / "ckpt"}, force: true}}
 evaluation: {{dataset: {text_corpus}, seq_len: 32, windows: 2}}
-gates: {{min_quantized_fraction: 0.9, max_ppl_increase_pct: 1000}}
+gates: {{min_quantized_fraction: 0.9, max_ppl_increase_pct: 1000, max_checkpoint_mb: 100}}
 """)
     code, _, err = run_cli(["run", str(recipe), "--report", str(tmp_path / "report")], capsys)
     assert code == 1, err
@@ -58,6 +58,10 @@ gates: {{min_quantized_fraction: 0.9, max_ppl_increase_pct: 1000}}
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["coverage"]["quantized_fraction"] == pytest.approx(IGNORED_FRACTION)
     assert report["figures"]["quantized fraction"] == round(IGNORED_FRACTION, 6)
+    size_mb = sum(f.stat().st_size for f in (tmp_path / "ckpt").glob("*.safetensors")) / 1e6
+    assert report["figures"]["checkpoint MB"] == round(size_mb, 3)
+    size_gate = next(g for g in report["gates"] if g["name"] == "max_checkpoint_mb")
+    assert size_gate["passed"] and size_gate["value"] == pytest.approx(size_mb)
     ignored = next(w for w in report["coverage"]["weights"] if w["name"] == "model.layers.1.mlp.down_proj")
     assert (ignored["intended"], ignored["actual"], ignored["float_by"]) == ("float", "float", "ignore")
     markdown = (tmp_path / "report" / "report.md").read_text()
@@ -69,3 +73,15 @@ gates: {{min_quantized_fraction: 0.9, max_ppl_increase_pct: 1000}}
     assert NOT_EVALUATED not in section and f"| perplexity | {report['figures']['perplexity']:.4f} |" in section
     assert "min_quantized_fraction >= 0.9: 0.880952, FAIL" in section
     assert f"on `{text_corpus.name}`" in section and str(tmp_path) not in card
+
+
+def test_the_size_gate_reads_the_checkpoint_files_megabytes() -> None:
+    assert "max_checkpoint_mb" in GATES
+    gates = GatesSection(max_checkpoint_mb=113.2)
+    (gate,) = check_gates(gates, *QUALITY, quantized_fraction=1.0, size_mb=113.25)
+    assert (gate.name, gate.comparison, gate.passed) == ("max_checkpoint_mb", "<=", False)
+    assert gate.margin == pytest.approx(-0.05)
+    (gate,) = check_gates(gates, *QUALITY, quantized_fraction=1.0, size_mb=100.0)
+    assert gate.passed and gate.margin == pytest.approx(13.2)
+    with pytest.raises(RecipeError, match=r"gates\.max_checkpoint_mb"):
+        recipe_from_text("model: m\noutput: {directory: o}\ngates: {max_checkpoint_mb: 0}\n")

@@ -53,7 +53,7 @@ def test_round_trip_load_dump_load_is_equal():
 def test_shipped_recipes_validate():
     names = sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
     assert {"ci.yaml", "w4-rtn.yaml", "w4-gptq.yaml", "w4-awq.yaml", "w4-awq-gptq.yaml", "w8.yaml"} <= set(names)
-    assert "mixed-4.5.yaml" in names
+    assert {"mixed-4.5.yaml", "best-at-w4-size.yaml", "best-at-w3-size.yaml"} <= set(names)
     for path in (REPO / "recipes").glob("*.yaml"):
         load_recipe(path)
 

@@ -3,7 +3,7 @@ running sequence beside the paged KV cache of the gated full-attention layers (p
 zero, sigmoid output gate), experts with a shared expert. fp32 logits within 1e-5 of transformers'; greedy tokens
 equal to ``generate`` for prompts of different lengths batched together, with chunked prefill and with preemption;
 slots freed; prefix caching off and speculative decoding refused; a quantkit RTN W4 checkpoint served as quantkit's
-loader computes it."""
+loader computes it, and a rotated one (norms stored as zeros: 1 + 0) as transformers computes it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from helpers.cli import cli_exit_code
 from helpers.qwen3_5_moe import save_tiny_qwen3_5_moe, tiny_qwen3_5_moe
 from helpers.runtime import SMALL_CACHE, engine_logits, greedy, hf_logits, small_engine, small_llm
 from safetensors import safe_open
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from quantkit.errors import QuantkitError
 from quantkit.model.resolve import load_model as load_reference
@@ -133,4 +133,26 @@ def test_quantized_checkpoint_matches_quantkit_loader(
     assert error < 1e-5 * expected.abs().max().item(), f"max logit error against the reference loader {error:.2e}"
     assert (ours - hf_logits(model, LONG)).abs().max() > 1e-3  # the int4 weights were used, not float ones
     outputs = small_llm(quantized, max_num_seqs=8).generate(PROMPTS, greedy(8))
+    assert [o.token_ids for o in outputs] == [_generate(reference, p, 8) for p in PROMPTS]
+
+
+def test_rotated_checkpoint_serves_as_transformers_computes_it(
+    qwen: tuple[PreTrainedModel, Path, list[list[int]]], tmp_path: Path
+) -> None:
+    """--rotate hadamard writes every block norm and the final norm as zeros (the norm multiplies by 1 + w): the
+    runtime reads them as transformers does, logits within 1e-5 and greedy tokens equal to its generate."""
+    _, path, _ = qwen
+    out = tmp_path / "r"
+    args = ["quantize", str(path), "-o", str(out), "--method", "rtn", "--scheme", "W4A16", "--group-size", "32"]
+    assert cli_exit_code([*args, "--rotate", "hadamard"]) == 0
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert (
+            not f.get_tensor("model.layers.0.input_layernorm.weight").any()
+            and not f.get_tensor("model.norm.weight").any()
+        )
+    reference = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours, expected = engine_logits(small_engine(out), LONG), hf_logits(reference, LONG)
+    error = (ours - expected).abs().max().item()
+    assert error < 1e-5 * expected.abs().max().item(), f"max logit error against transformers {error:.2e}"
+    outputs = small_llm(out, max_num_seqs=8).generate(PROMPTS, greedy(8))
     assert [o.token_ids for o in outputs] == [_generate(reference, p, 8) for p in PROMPTS]

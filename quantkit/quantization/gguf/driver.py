@@ -7,7 +7,8 @@ each one onto the GGML type the mix gives it, and its decoded weight is written 
 stages and blocks see the model llama.cpp will run. The first block reads the quantized embedding. An untied
 output head is solved last, on the Hessian of the final norm's output. With a rotation (:mod:`.rotate`) each block
 is folded as it is loaded, before its Hessians are taken, and the embedding, head and final norm are the rotated
-ones; the head is then untied.
+ones; the head is then untied. With float targets (:mod:`.float_path`) the float model's stream runs beside the
+quantized one, from the float embedding's rows, and each linear is solved toward the float model's outputs.
 
 Each tensor's bytes go to a work directory beside the output (not kept in memory); the file is then written by
 the caller's writer (:func:`quantkit.export.gguf_typed.write_typed_gguf`: the quantizer does not import exports)
@@ -40,6 +41,7 @@ from quantkit.model.blocks import BlockRunner, get_module
 from quantkit.model.source_weights import SourceWeights, build_skeleton, load_module, release_module
 from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import stage_hessians, walk_blocks
+from quantkit.quantization.gguf.float_path import FloatStream, check_float_targets
 from quantkit.quantization.gguf.mixes import mix_of
 from quantkit.quantization.gguf.plan import DENSE, EMBEDDING, HEAD, LINEAR, PlannedTensor, plan_gguf
 from quantkit.quantization.gguf.rotate import GGUFRotation, gguf_rotation
@@ -63,6 +65,7 @@ class GGUFOutputConfig:
     device: str = "cpu"
     show_progress: bool = True
     rotation: Any = None  # a RotationConfig folded before solving (--rotate); None: none
+    float_targets: bool = False  # GPTQ fits the float model's outputs (--float-targets; see float_path)
 
 
 @dataclass(slots=True)
@@ -74,7 +77,9 @@ class TensorRecord:
     shape: list[int]
     params: int
     bytes: int
-    loss: float | None  # the solver's Hessian-weighted error (None: copied, not solved)
+    # the solver's Hessian-weighted error (None: copied, not solved); with float targets against the target W*, the
+    # part of the float-output error that depends on the solve (see float_path)
+    loss: float | None
     fell_back_to_rtn: bool = False
 
 
@@ -88,6 +93,7 @@ class GGUFResult:
     peak_rss_mb: float
     tensors: list[TensorRecord] = field(default_factory=list)
     rotation: str = "none"  # e.g. "hadamard-s0": what was folded into the weights
+    float_targets: bool = False  # each linear was solved toward the float model's outputs
 
 
 def check_output(output: Path, force: bool) -> None:
@@ -104,6 +110,8 @@ def quantize_to_gguf(model: str, config: GGUFOutputConfig, output: Path, write: 
     mix_of(config.mix)  # an unknown mix is refused before anything else
     if config.solve.method not in METHODS:
         raise QuantkitError(f"GGUF output solves with {' or '.join(METHODS)}; got method '{config.solve.method}'")
+    if config.float_targets:
+        check_float_targets(config.solve.method)  # GPTQ only, in the compressed-tensors path's words
     check_output(output, config.force)
     with output_lock(output):
         check_output(output, config.force)  # again: a run that held the lock may have just finished the file
@@ -151,7 +159,9 @@ def _quantize_locked(model: str, config: GGUFOutputConfig, output: Path, write: 
     size = output.stat().st_size
     seconds = time.perf_counter() - start
     folded = "none" if rotation is None else rotation.job.config.name
-    return GGUFResult(output, name, config.solve.method, seconds, size, peak_rss_mb(), records, folded)
+    return GGUFResult(
+        output, name, config.solve.method, seconds, size, peak_rss_mb(), records, folded, config.float_targets
+    )
 
 
 class _Store:
@@ -194,13 +204,16 @@ def _solve_all(
     embedding = next(t for t in plan if t.role == EMBEDDING)
     emb_source = weights.get(embedding.hf_name) if rotation is None else rotation.take(embedding.hf_name, weights)
     emb = solve_tensor(emb_source, None, embedding.type, config.solve, embedding.hf_name)
-    del emb_source
     hidden = None
     runner = None
+    floats = None  # the float model's stream, with float targets
     if calibration is not None:
         ids = calibration.input_ids
         hidden = torch.nn.functional.embedding(ids, emb.dequantized).to(device)
         runner = BlockRunner.for_model(skeleton, arch, calibration.seq_len, config.batch_size, device=device)
+        if config.float_targets:  # from the float (rotated) embedding's rows; the quantized stream from the decoded
+            floats = FloatStream(torch.nn.functional.embedding(ids, emb_source.float()).to(device), config.solve.gptq)
+    del emb_source
     keep(embedding, emb)
     del emb
     visits = walk_blocks(
@@ -223,18 +236,28 @@ def _solve_all(
                 t = by_name[f"{full}.weight"]
                 keep(t, solve_tensor(get_module(visit.module, name).weight.data, None, t.type, config.solve, full))
             continue
+        # the float block (after the fold, before any linear is quantized) beside the quantized one
+        companions = [] if floats is None else [floats.companion(visit.module, arch, runner)]
         staged = StagedBlock(visit.module, arch, runner, hidden)
         with torch.inference_mode():  # no autograd anywhere here; the Hessians may be inference tensors
-            for stage, hessian, _ in stage_hessians(staged):
+            for stage, hessian, stage_data in stage_hessians(staged, companions=companions):
+                assert hessian is not None
                 for name in stage.linears:
                     full = f"{visit.prefix}.{name}"
                     t = by_name[f"{full}.weight"]
                     linear = get_module(visit.module, name)
-                    solved = solve_tensor(linear.weight.data, hessian, t.type, config.solve, full)
+                    weight = linear.weight.data
+                    if floats is not None:
+                        weight = floats.target(name, weight, hessian, stage_data[0])
+                    solved = solve_tensor(weight, hessian, t.type, config.solve, full)
                     linear.weight.data.copy_(solved.dequantized.to(linear.weight.device, linear.weight.dtype))
                     keep(t, solved)
-                del hessian
+                del hessian, stage_data
             hidden = staged.output()
+            if floats is not None:
+                floats.advance(companions[0])
+        del companions
+    floats = None  # the head is solved on the quantized stream alone
     norm_name = f"{arch.final_norm_path}.weight"
     norm = None if rotation is None else rotation.take(norm_name, weights)
     if norm is not None:

@@ -13,12 +13,6 @@ from quantkit.quantization.gguf.mixes import F16
 
 RTN, GPTQ = "rtn", "gptq"
 METHODS = (RTN, GPTQ)
-# why float targets are refused for GGUF output (the CLI and recipes say it in one line)
-FLOAT_TARGETS_REFUSED = (
-    "float targets fit each linear to the float model's outputs, which needs the float model's activations "
-    "carried beside the quantized ones block by block, and the GGUF solve carries the quantized stream only; use "
-    "GPTQ (with --rotate hadamard if wanted)"
-)
 
 
 @dataclass(slots=True)

@@ -151,8 +151,9 @@ class Hooks:
         """The first block's calibration input, when it is not the source's embedding of ``input_ids``."""
         return None
 
-    def fold(self, state: Any, block: nn.Module) -> None:
-        """Rewrite a block's float weights as it is loaded, before anything else sees it."""
+    def fold(self, state: Any, block: nn.Module, index: int) -> None:
+        """Rewrite a block's float weights as it is loaded, before anything else sees it (``index``: its layer, whose
+        spec ``ArchSpec.for_layer`` gives: a hybrid model's layers differ)."""
 
     def final_tensors(
         self, config: Any, job: JobView, work: WorkView, outer: dict[str, torch.Tensor]

@@ -9,7 +9,7 @@ the head but not into the embedding, so the two matrices differ after rotation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +24,8 @@ from quantkit.model.source_weights import SourceWeights, build_skeleton, head_is
 from quantkit.quantization.methods.hooks import Hooks, JobView
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.rotation.config import ROTATION_KINDS, RotationKind, Rotations, rotations_for
-from quantkit.rotation.fold import check_foldable, fold_block, rotate_embedding, rotate_head
-from quantkit.rotation.norms import check_rmsnorm
+from quantkit.rotation.fold import check_foldable, fold_block, head_rotation_refusal, rotate_embedding, rotate_head
+from quantkit.rotation.norms import check_rmsnorm, unit_weight
 
 OFF = "none"
 
@@ -33,7 +33,8 @@ OFF = "none"
 @dataclass(slots=True, frozen=True)
 class RotationConfig:
     """``kind`` "hadamard" folds a randomized Hadamard rotation into the residual stream and (with
-    ``rotate_heads``) one per attention head between v_proj and o_proj; "none" leaves the model as it is."""
+    ``rotate_heads``) one per attention head between v_proj and o_proj, left out where the architecture gates the
+    attention output before o_proj (Qwen3.5; the run log says so); "none" leaves the model as it is."""
 
     kind: RotationKind = option(
         "hadamard", f"Rotation folded into the weights before solving: {', '.join(ROTATION_KINDS)}.", flag="--rotate"
@@ -55,15 +56,18 @@ class RotationConfig:
 
 @dataclass(slots=True)
 class JobRotation:
-    config: RotationConfig
+    config: RotationConfig  # as run: rotate_heads off where the architecture's heads cannot rotate
     matrices: Rotations
     arch: ArchSpec
     tied: bool  # the source ties its head to the embedding: the checkpoint gets an untied head
+    heads_skipped: str | None = None  # why the head rotation asked for was left out
 
-    def fold(self, block: nn.Module) -> None:
-        """Fold the rotations into one loaded float block, in place."""
+    def fold(self, block: nn.Module, index: int | None = None) -> None:
+        """Fold the rotations into one loaded float block, in place. ``index``: the block's layer (a hybrid model's
+        layers differ in their token mixer, ``ArchSpec.for_layer``); None only where every layer is alike."""
         assert self.matrices.residual is not None
-        fold_block(block, self.arch, self.matrices.residual, self.matrices.head)
+        arch = self.arch if index is None else self.arch.for_layer(index)
+        fold_block(block, arch, self.matrices.residual, self.matrices.head)
 
     @property
     def embed_name(self) -> str:
@@ -75,11 +79,15 @@ class JobRotation:
 
     def log(self) -> dict[str, object]:
         """What the run log records about the rotation."""
-        return {"kind": self.config.kind, "seed": self.config.seed, "rotate_heads": self.config.rotate_heads}
+        config = self.config
+        return {"kind": config.kind, "seed": config.seed, "rotate_heads": config.rotate_heads} | (
+            {"heads_skipped": self.heads_skipped} if self.heads_skipped else {}
+        )
 
     def outer_tensors(self, weights: SourceWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The rotated embedding, the head with the final norm folded in, and the final norm's ones; ``dtype``: the
-        source tensors are cast to it first (GGUF output rotates in float32, as it quantizes them once more)."""
+        """The rotated embedding, the head with the final norm folded in, and the final norm set to multiply by one
+        (ones; zeros where the norm multiplies by 1 + w); ``dtype``: the source tensors are cast to it first (GGUF
+        output rotates in float32, as it quantizes them once more)."""
         residual = self.matrices.residual
         assert residual is not None
         norm_name = f"{self.arch.final_norm_path}.weight"
@@ -92,8 +100,8 @@ class JobRotation:
         head = embed if self.head_name not in weights else get(self.head_name)
         return {
             self.embed_name: rotate_embedding(embed, residual),
-            self.head_name: rotate_head(head, norm, residual),
-            norm_name: torch.ones_like(norm),
+            self.head_name: rotate_head(head, norm, residual, self.arch.norm_offset),
+            norm_name: torch.full_like(norm, unit_weight(self.arch.norm_offset)),
         }
 
     def embed_inputs(self, outer: dict[str, torch.Tensor], input_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -102,24 +110,31 @@ class JobRotation:
 
 
 def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: SourceWeights) -> JobRotation:
-    """The rotation of a job, checked against the model before any work: the first block and the final norm must
-    fold, or a QuantkitError names the module that blocks it."""
-    if arch.mixers:  # the fold walks one block layout; a hybrid model's layers have two
-        raise QuantkitError(
-            f"--rotate is not defined for {arch.family}: its layers mix two token mixers (config.json layer_types) "
-            "and rotations fold into one block layout; quantize it without --rotate"
-        )
+    """The rotation of a job, checked against the model before any work: the final norm and the first block of each
+    layer kind must fold, or a QuantkitError names the module that blocks it. Where the architecture's heads cannot
+    rotate (a gated attention output), the head rotation is left out and the reason kept for the run log."""
+    heads_skipped = head_rotation_refusal(arch) if config.rotate_heads else None
+    if heads_skipped is not None:
+        config = replace(config, rotate_heads=False)
     skeleton = build_skeleton(source)
     matrices = rotations_for(config, skeleton.config)
     final_norm = get_module(skeleton, arch.final_norm_path)
     load_module(final_norm, arch.final_norm_path, weights)
-    check_rmsnorm(final_norm, arch.final_norm_path)
-    first = f"{arch.layers_path}.0"
-    block = get_module(skeleton, first)
-    load_module(block, first, weights)
-    check_foldable(block, arch)
-    release_module(block)
-    return JobRotation(config, matrices, arch, tied=head_is_tied(source, f"{arch.lm_head_path}.weight", weights))
+    check_rmsnorm(final_norm, arch.final_norm_path, arch.norm_offset)
+    layers = get_module(skeleton, arch.layers_path)
+    firsts = {_layer_kind(arch, i): i for i in reversed(range(len(layers)))}  # each kind's first layer
+    for index in sorted(firsts.values()):
+        path = f"{arch.layers_path}.{index}"
+        block = get_module(skeleton, path)
+        load_module(block, path, weights)
+        check_foldable(block, arch.for_layer(index))
+        release_module(block)
+    tied = head_is_tied(source, f"{arch.lm_head_path}.weight", weights)
+    return JobRotation(config, matrices, arch, tied=tied, heads_skipped=heads_skipped)
+
+
+def _layer_kind(arch: ArchSpec, index: int) -> str:
+    return arch.layer_kinds[index] if arch.mixers else ""
 
 
 class _Hooks(Hooks):
@@ -134,8 +149,8 @@ class _Hooks(Hooks):
     ) -> torch.Tensor:
         return state.embed_inputs(outer, input_ids, dtype)
 
-    def fold(self, state: Any, block: nn.Module) -> None:
-        state.fold(block)
+    def fold(self, state: Any, block: nn.Module, index: int) -> None:
+        state.fold(block, index)
 
     def log(self, config: Any, state: Any) -> dict[str, Any]:
         return {"rotation": state.log() | {"untied_head": state.head_name if state.tied else None}}

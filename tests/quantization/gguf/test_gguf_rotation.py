@@ -171,7 +171,7 @@ def test_transformers_reads_rotated_files_as_the_float_model_within_a_plain_file
     ("extra", "message"),
     [
         (["--format", "gguf:auto", "--target-bpw", "6"], "--rotate does not apply to --format gguf:auto"),
-        (["--format", "gguf:Q4_K_M", "--float-targets"], "--float-targets does not apply to --format gguf:Q4_K_M"),
+        (["--format", "gguf:Q4_K_M", "--method", "rtn", "--float-targets"], "float targets work only with gptq"),
         (["--format", "gguf:Q4_K_M", "--method", "awq+gptq"], "rtn or gptq alone; got AWQConfig"),
     ],
 )

@@ -226,7 +226,8 @@ def _solve_all(
     )
     for visit in visits:
         if rotation is not None:
-            rotation.fold(visit.module)  # before any Hessian: GPTQ solves the rotated weights on rotated inputs
+            # before any Hessian: GPTQ solves the rotated weights on rotated inputs
+            rotation.fold(visit.module, visit.index)
             dense = [t.hf_name for t in plan if t.role == DENSE and t.hf_name.startswith(f"{visit.prefix}.")]
             for hf_name, value in rotation.dense_of(visit.module, visit.prefix, dense).items():
                 store.put(hf_name, value)  # the norms are ones now (and a rotated bias is no longer the source's)

@@ -30,9 +30,10 @@ class GGUFRotation:
     job: JobRotation
     outer: dict[str, torch.Tensor]  # HF name -> float32: rotated embedding, head (final norm in it), norm of ones
 
-    def fold(self, block: nn.Module) -> None:
-        """Fold the rotation into one loaded float block, in place (before its Hessians are taken)."""
-        self.job.fold(block)
+    def fold(self, block: nn.Module, index: int) -> None:
+        """Fold the rotation into the loaded float block of layer ``index``, in place (before its Hessians are
+        taken)."""
+        self.job.fold(block, index)
 
     def take(self, hf_name: str, weights: SourceWeights) -> torch.Tensor:
         """A tensor outside the blocks as the rotated model holds it (the source's own when not rotated), handed

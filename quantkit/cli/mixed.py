@@ -11,6 +11,7 @@ from quantkit.cli.app import DeviceOption, app, err, out
 from quantkit.data.calibration import CalibrationConfig
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODE_HELP
+from quantkit.mixed.outer_units import DEFAULT_OUTER
 from quantkit.mixed.sensitivity import SensitivityConfig
 
 
@@ -36,6 +37,17 @@ def sensitivity(
     mse_clip: Annotated[
         bool, typer.Option(help="Solve candidates with Hessian-weighted MSE clipping.")
     ] = SensitivityConfig.mse_clip,
+    outer: Annotated[
+        bool,
+        typer.Option(
+            "--outer/--no-outer",
+            help="Also measure the head (GPTQ, as --quantize-head) and the embedding (RTN) as units, by final-logit "
+            "KL, so that `plan --head auto --embedding auto` chooses them (hybrid and kl modes).",
+        ),
+    ] = False,
+    outer_candidates: Annotated[
+        str, typer.Option(help="With --outer: head/embedding schemes to measure beside float (int8, w<bits>g<group>).")
+    ] = ",".join(DEFAULT_OUTER),
     device: DeviceOption = SensitivityConfig.device,
 ) -> None:
     """Measure each layer's error under each candidate scheme (reusable for any budget).
@@ -54,6 +66,8 @@ def sensitivity(
         calibration=CalibrationConfig(num_samples=num_samples, seq_len=seq_len),
         calibration_file=calib,
         device=device,
+        outer=outer,
+        outer_candidates=[c.strip() for c in outer_candidates.split(",") if c.strip()],
     )
     measurement = measure_sensitivity(model, config, output)
     title = f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}"
@@ -79,13 +93,21 @@ def plan(
         ),
     ] = False,
     head: Annotated[
-        str, typer.Option(help="With --whole-model: the head scheme quantize --quantize-head will write (none: float).")
+        str,
+        typer.Option(
+            help="With --whole-model: the head scheme quantize --quantize-head will write (none: float), or auto: the "
+            "planner chooses among those `sensitivity --outer` measured."
+        ),
     ] = "none",
     untied_head: Annotated[
         bool, typer.Option(help="With --whole-model: the run unties a tied head (--rotate hadamard) and pays for it.")
     ] = False,
     embedding: Annotated[
-        str, typer.Option(help="With --whole-model: the embedding scheme quantize --quantize-embedding will write.")
+        str,
+        typer.Option(
+            help="With --whole-model: the embedding scheme quantize --quantize-embedding will write, or auto (as "
+            "--head)."
+        ),
     ] = "none",
 ) -> None:
     """Choose a scheme per unit minimising the predicted error under a bit budget (exact)."""
@@ -99,27 +121,40 @@ def plan(
     if (target_bits is None) == (max_size_mb is None):
         raise QuantkitError("give exactly one budget: --target-bits (e.g. 4.5) or --max-size-mb")
     loaded = load_measurement(measurement)
-    outer_bits = 0
-    if whole_model or head != "none" or untied_head or embedding != "none":
+    pins = [parse_pin(p) for p in pin or []]
+    whole = whole_model or head != "none" or untied_head or embedding != "none"
+    if whole:
         if max_size_mb is None or not whole_model:
             raise QuantkitError(
                 "--head, --embedding and --untied-head size a whole-model budget: give --whole-model --max-size-mb"
             )
-        from quantkit.mixed.whole_model import outer_cost
+        from quantkit.mixed.whole_plan import whole_model_plan
         from quantkit.model.resolve import resolve_model
 
-        cost = outer_cost(loaded, resolve_model(loaded.model), head, untied_head, embedding)
-        outer_bits = cost.bits
-    pins = [parse_pin(p) for p in pin or []]
-    chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=pins, outer_bits=outer_bits)
+        source = resolve_model(loaded.model)
+        chosen = whole_model_plan(
+            loaded, source, max_size_mb, head=head, embedding=embedding, untied_head=untied_head, pins=pins
+        )
+    else:
+        chosen = make_plan(loaded, target_bits=target_bits, max_size_mb=max_size_mb, pins=pins)
     save_plan(chosen, output)
     out.print(render_plan(chosen))
-    if outer_bits:
-        out.print(
-            f"whole model: {chosen.whole_model_mb:.2f} MB of tensors (budget {max_size_mb} MB): the plan's linears "
-            f"{chosen.size_mb:.2f} MB + {outer_bits / 8e6:.2f} MB outside them (head: {cost.head}, "
-            f"embedding: {cost.embedding})"
+    if whole:
+        from quantkit.mixed.plan_outer import quantize_hint
+
+        outside = chosen.whole_model_mb - chosen.size_mb
+        schemes = ", ".join(
+            f"{o.name}: {o.scheme}" + ("" if o.error is None else f" (predicted error {o.error:.4g})")
+            for o in chosen.outer
         )
+        tied = "" if chosen.outer_scheme("head") is not None else "head: tied, "
+        out.print(
+            f"whole model: {chosen.whole_model_mb:.3f} MB of files at most (budget {max_size_mb} MB): the plan's "
+            f"linears {chosen.size_mb:.3f} MB + {outside:.3f} MB outside them and the headers ({tied}{schemes}); "
+            f"predicted error {chosen.whole_error:.4g} in all",
+            soft_wrap=True,
+        )
+        out.print(quantize_hint(chosen, str(output)), soft_wrap=True)
     uniform = [p for p in uniform_points(loaded) if p.candidate != FP16]
     if uniform:
         out.print(render_uniform_comparison(chosen, uniform))

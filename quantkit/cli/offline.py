@@ -251,6 +251,10 @@ def quantize(
         return
     if target_bpw is not None:
         raise QuantkitError("--target-bpw applies to --format gguf:auto")
+    if plan is not None:  # a whole-model plan sets --quantize-head / --quantize-embedding as it sized them
+        from quantkit.mixed.plan_apply import with_planned_outer
+
+        job_values = with_planned_outer(plan, job_values or {})
     config = config_from_options(job_values or {}, calibration=calibration, calibration_file=calib)
     if plan is not None:
         from quantkit.mixed.plan_apply import planned_schemes

@@ -9,6 +9,7 @@ run, or ``torchrun`` with one process) nothing is started and :func:`current` is
 
 from __future__ import annotations
 
+import faulthandler
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -118,6 +119,8 @@ def distributed_session() -> Iterator[DistContext | None]:
     from quantkit.distributed.watchdog import Watchdog
 
     rank, world, local = found
+    if not faulthandler.is_enabled():  # a native abort in any rank prints every thread's Python stack, not one line
+        faulthandler.enable(all_threads=True)
     # CPU tensors (the CPU path, small metadata) over gloo; CUDA tensors over NCCL where there is a GPU
     nccl = torch.cuda.is_available() and dist.is_nccl_available()
     backend = "cpu:gloo,cuda:nccl" if nccl else "gloo"

@@ -6,11 +6,12 @@ rendezvous provides) once a second and watches the others. A rank that raises re
 rank's watchdog sees it within :data:`POLL_S` (a failure) or :data:`STALE_S` (silence), prints one line naming the
 rank and the cause, and ends its process, even while it waits inside a collective (whose own timeout is much
 longer: it must outlast the longest solve another rank runs). A rank that finished its work says so (``done``) and
-is not waited for.
+is not waited for; a rank other than 0 that finished waits, still watched, for rank 0's ``done`` before it leaves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -44,18 +45,33 @@ class Watchdog:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if _succeeded(exc):
+            self._await_main_rank()
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._store is None:
             return
         try:
-            if exc is None or (isinstance(exc, SystemExit) and not exc.code):
+            if _succeeded(exc):
                 self._store.set(store_key(f"done/{self.context.rank}"), "1")
             else:
                 self._store.set(store_key("failed"), f"rank {self.context.rank} failed: {failure_cause(exc)}")
         except Exception:  # (the store may be gone with rank 0; the others notice the silence)
             pass
+        # the store's connection is closed now, while the interpreter is whole, not by its finalisation
+        self._store = None
+
+    def _await_main_rank(self) -> None:
+        """A rank other than 0 that finished its work waits, still watched, until rank 0 has finished too (its files
+        written): no rank tears its connections down while rank 0 still works, and a fault in one rank's teardown
+        cannot cut rank 0's writing short."""
+        if self._store is None or self.context.rank == 0:
+            return
+        from quantkit.distributed.store import wait_key
+
+        with contextlib.suppress(Exception):  # (the store is gone with the launcher: nothing left to wait for)
+            wait_key(self._store, "done/0")
 
     def _run(self) -> None:
         rank, world = self.context.rank, self.context.world
@@ -87,6 +103,10 @@ class Watchdog:
 
     def _beating(self, other: int) -> bool:
         return bool(self._store.check([store_key(f"beat/{other}")]))
+
+
+def _succeeded(exc: BaseException | None) -> bool:
+    return exc is None or (isinstance(exc, SystemExit) and not exc.code)
 
 
 def failure_cause(exc: BaseException | None) -> str:

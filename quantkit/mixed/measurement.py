@@ -6,7 +6,9 @@ reconstruction error, "kl": KL divergence of the model output, "hybrid": proxy r
 KL) and exact storage bits (as on disk).
 
 File: JSON ``{"format": "quantkit-measurement", "version": 1, "model", "mode", "candidates", "units",
-"metadata"}``, written to a temp name and renamed into place. :class:`MeasurementFile` is its schema;
+"metadata"}`` and, from ``quantkit sensitivity --outer``, ``"outer"``: the head and the embedding as units whose
+options are ``--quantize-head`` spellings ("none": float; a file without the key has no outer units), written to a
+temp name and renamed into place. :class:`MeasurementFile` is its schema;
 :func:`load_measurement` validates everything and names the line and the offending entry, e.g.
 ``sens.json:57: units[3] (model.layers.0.mlp.down_proj).options['int4-g64'].bits``.
 """
@@ -30,6 +32,7 @@ from quantkit.schemas.validate import rule_error, validate
 FORMAT = "quantkit-measurement"
 VERSION = 1
 MODES = ("proxy", "kl", "hybrid")
+OUTER_NAMES = ("head", "embedding")  # the units outside the blocks that `sensitivity --outer` measures
 # The default mode of `quantkit sensitivity`, the Python API and recipes (SensitivityConfig.mode): hybrid plans beat
 # the best fitting uniform scheme at every budget of the sweep, while proxy plans, quicker to measure, lose to
 # uniform schemes at low budgets (the sweep is in docs/benchmarks.md, "Mixed precision").
@@ -59,12 +62,26 @@ class UnitMeasurement:
 
 
 @dataclass(slots=True)
+class OuterMeasurement:
+    """The head or the embedding as a unit: options keyed by ``--quantize-head`` spellings ("none": float)."""
+
+    name: str  # "head" | "embedding"
+    module: str  # e.g. "lm_head", "model.embed_tokens"
+    params: int
+    options: dict[str, CandidateCost]
+
+
+@dataclass(slots=True)
 class Measurement:
     model: str
     mode: str  # "proxy" | "kl" | "hybrid" (proxy rescaled per unit to a measured KL)
     candidates: list[str]
     units: list[UnitMeasurement]
     metadata: dict[str, Any] = field(default_factory=dict)
+    outer: list[OuterMeasurement] = field(default_factory=list)  # sensitivity --outer: the head and the embedding
+
+    def outer_unit(self, name: str) -> OuterMeasurement | None:
+        return next((o for o in self.outer if o.name == name), None)
 
     @property
     def total_params(self) -> int:
@@ -83,12 +100,13 @@ class Measurement:
             "candidates": list(self.candidates),
             "units": [_unit_dict(u) for u in self.units],
             "metadata": self.metadata,
-        }
+        } | ({"outer": [_unit_dict(o) for o in self.outer]} if self.outer else {})
 
 
-def _unit_dict(unit: UnitMeasurement) -> dict[str, Any]:
+def _unit_dict(unit: UnitMeasurement | OuterMeasurement) -> dict[str, Any]:
     options = {name: {"error": c.error, "bits": c.bits} for name, c in unit.options.items()}
-    return {"name": unit.name, "modules": list(unit.modules), "params": unit.params, "options": options}
+    where = {"module": unit.module} if isinstance(unit, OuterMeasurement) else {"modules": list(unit.modules)}
+    return {"name": unit.name, **where, "params": unit.params, "options": options}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,6 +124,7 @@ _Name = Annotated[str, Field(min_length=1)]
 _Format = one_of([FORMAT])
 _Version = one_of([VERSION])
 _Mode = one_of(MODES)
+_OuterName = one_of(OUTER_NAMES)
 
 
 class CostEntry(FileModel):
@@ -120,6 +139,24 @@ class UnitEntry(FileModel):
     options: dict[str, CostEntry] = Field(min_length=1)
 
 
+def outer_spelling(name: str) -> str:
+    """A head or embedding scheme as ``--quantize-head`` spells it, checked (pydantic's validator)."""
+    from quantkit.quantization.methods.head_quant import head_scheme  # the one spelling of head schemes
+
+    try:
+        head_scheme(name, "rtn")
+    except QuantkitError as exc:
+        raise ValueError(str(exc)) from None
+    return name
+
+
+class OuterEntry(FileModel):
+    name: _OuterName
+    module: _Name
+    params: int = Field(gt=0)
+    options: dict[Annotated[str, AfterValidator(outer_spelling)], CostEntry] = Field(min_length=1)
+
+
 class MeasurementFile(FileModel):
     format: _Format
     version: _Version
@@ -128,6 +165,7 @@ class MeasurementFile(FileModel):
     candidates: list[CandidateName] = Field(min_length=1)
     units: list[UnitEntry] = Field(min_length=1)
     metadata: dict[str, Any] | None = None
+    outer: list[OuterEntry] | None = None  # absent in files from before `sensitivity --outer`
 
     @model_validator(mode="before")
     @classmethod
@@ -161,6 +199,9 @@ class MeasurementFile(FileModel):
                 if name not in self.candidates:
                     message = f"is not one of the measured candidates {self.candidates}"
                     raise rule_error(message, "units", i, "options", name)
+        for i, entry in enumerate(self.outer or []):
+            if any(other.name == entry.name for other in (self.outer or [])[:i]):
+                raise rule_error(f"repeats the {entry.name} unit; measure it once", "outer", i, "name")
         return self
 
 
@@ -198,4 +239,9 @@ def measurement_from_dict(data: Any, source: str = "measurement") -> Measurement
         )
         for u in checked.units
     ]
-    return Measurement(checked.model, checked.mode, list(checked.candidates), units, plain(checked.metadata or {}))
+    outer = [
+        OuterMeasurement(o.name, o.module, o.params, {k: CandidateCost(c.error, c.bits) for k, c in o.options.items()})
+        for o in checked.outer or []
+    ]
+    metadata = plain(checked.metadata or {})
+    return Measurement(checked.model, checked.mode, list(checked.candidates), units, metadata, outer)

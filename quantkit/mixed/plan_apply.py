@@ -1,10 +1,13 @@
 """A mixed-precision plan (YAML from `quantkit plan`) turned into a storage scheme per linear of a model, ready
-for ``QuantizeConfig.planned``: the quantizer itself never reads plan files."""
+for ``QuantizeConfig.planned``, and into the head's and the embedding's quantize options (a whole-model plan's
+``outer`` section): the quantizer itself never reads plan files."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.plan_file import load_plan
 from quantkit.model.architectures import ArchSpec
@@ -34,3 +37,42 @@ def planned_schemes(path: Path, model: str | Path) -> dict[str, QuantScheme | No
 
     source = resolve_model(model)
     return schemes_from_plan(Path(path), arch_for_dir(source), num_layers_of(source))
+
+
+def with_planned_outer(path: Path, values: dict[str, Any]) -> dict[str, Any]:
+    """The quantize option values with the plan's head and embedding schemes (its ``outer`` section) set: the plan
+    sized the checkpoint with them. A different scheme given on the command line is refused."""
+    from quantkit.mixed.plan_outer import FLAGS, planned_flags
+    from quantkit.quantization.options import job_options
+
+    planned = planned_flags(load_plan(Path(path)).outer)
+    merged = dict(values)
+    for name, scheme in planned.items():
+        option = next(o for o in job_options() if FLAGS[name] in o.flags)
+        given = str(merged.get(option.param, option.default)).strip().lower()
+        if given not in (scheme, str(option.default)):
+            raise QuantkitError(
+                f"{FLAGS[name]} {given}: the plan {path} sized the checkpoint with {FLAGS[name]} {scheme}; drop "
+                f"{FLAGS[name]} (the plan sets it) or re-plan with --{name} {given}"
+            )
+        merged[option.param] = scheme
+    return merged
+
+
+_ALGORITHMS = {"head": "head_quant", "embedding": "embed_quant"}  # the methods that write them (registry names)
+
+
+def check_planned_outer(path: Path, configs: list[Any]) -> None:
+    """A recipe sets the head's and the embedding's schemes in its solvers: they must be the plan's, which sized the
+    checkpoint with them (a plan without an ``outer`` section sets neither)."""
+    from quantkit.mixed.plan_outer import planned_flags
+    from quantkit.quantization.methods import registry
+
+    for name, scheme in planned_flags(load_plan(Path(path)).outer).items():
+        algorithm = _ALGORITHMS[name]
+        given = next((str(c.scheme).strip().lower() for c in configs if registry.of(c).name == algorithm), "none")
+        if given != scheme:
+            raise QuantkitError(
+                f"the plan {path} sized the checkpoint with the {name} as {scheme}, and the recipe writes it as "
+                f"{given}; set `{algorithm}: {{scheme: {scheme}}}` in the recipe's quantization solvers"
+            )

@@ -13,6 +13,7 @@ File layout (one rule per unit; a fused unit's rule covers all its modules)::
       bits: 1234567
       params: 552960
 
+A whole-model plan adds an ``outer`` section: the head's and the embedding's schemes (:mod:`.plan_outer`).
 A target is an exact module name or ``re:<regex>`` matched with ``re.match`` (compressed-tensors rules).
 Only ``target`` and ``scheme`` drive quantization; ``predicted_error``, ``bits``, ``params``, ``budget`` and
 ``totals`` are what the planner predicted and are kept as written (re-run ``quantkit plan`` to refresh them).
@@ -36,6 +37,7 @@ from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.format.sizes import format_mb, mb_number
 from quantkit.mixed.candidates import FP16, SYNTAX, did_you_mean, parse_candidate
+from quantkit.mixed.plan_outer import OuterSection, outer_section
 from quantkit.mixed.planner import Plan, UniformPoint
 from quantkit.schemas.fields import FileModel
 from quantkit.schemas.located import load_yaml, plain
@@ -85,6 +87,7 @@ class PlanRules:
     totals: dict[str, Any] = field(default_factory=dict)
     assignment: dict[str, int] | None = None  # module -> rule index (when loaded with known_modules)
     unmatched: list[str] = field(default_factory=list)  # known modules no rule covers: left unquantized
+    outer: dict[str, Any] | None = None  # the head's and the embedding's schemes (plan_outer.py)
 
     def groups(self) -> list[tuple[QuantScheme, list[str]]]:
         """(scheme, targets) in first-appearance order: module names when modules are known, else rule targets.
@@ -111,7 +114,7 @@ class PlanRules:
         if self.mode is not None:
             data["mode"] = self.mode
         data |= {"budget": self.budget, "totals": self.totals, "rules": [r.to_dict() for r in self.rules]}
-        return data
+        return data | ({"outer": self.outer} if self.outer else {})
 
 
 # --------------------------------------------------------------------------------------------------
@@ -149,7 +152,8 @@ def plan_rules(plan: Plan) -> PlanRules:
         "predicted_error": plan.predicted_error,
     }
     rules = [PlanRule(module_target(u.modules), u.candidate, u.error, u.bits, u.params) for u in plan.units]
-    return PlanRules(model=plan.model, rules=rules, mode=plan.mode, budget=budget, totals=totals)
+    outer = outer_section(plan)
+    return PlanRules(model=plan.model, rules=rules, mode=plan.mode, budget=budget, totals=totals, outer=outer)
 
 
 def dump_plan(plan: Plan | PlanRules) -> str:
@@ -207,6 +211,7 @@ class PlanFile(FileModel):
     budget: dict[str, Any] | None = None
     totals: dict[str, Any] | None = None
     rules: list[RuleEntry] = Field(min_length=1)
+    outer: OuterSection | None = None  # whole-model plans: the head's and the embedding's schemes
 
 
 _ITEM_LABELS = {"rules": "target '{target}'"}
@@ -242,6 +247,7 @@ def load_plan(
         mode=checked.mode,
         budget=plain(checked.budget or {}),
         totals=plain(checked.totals or {}),
+        outer=None if checked.outer is None else plain(data["outer"]),
     )
     if known_modules is not None:
         plan.assignment, plan.unmatched = _assign(label, data, rules, list(known_modules))

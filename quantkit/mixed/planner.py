@@ -24,7 +24,7 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.format.sizes import BITS_PER_MB, format_mb
 from quantkit.mixed.candidates import parse_candidate
 from quantkit.mixed.mckp import search_mckp
-from quantkit.mixed.measurement import Measurement
+from quantkit.mixed.measurement import CandidateCost, Measurement
 
 FRONTIER_POINTS = 24
 
@@ -48,6 +48,24 @@ class UnitChoice:
         return parse_candidate(self.candidate)
 
 
+@dataclass(frozen=True, slots=True)
+class OuterUnit:
+    """The head or the embedding offered to a whole-model plan: scheme spelling -> (bits, error); one option when
+    the user gave the scheme, the measured ones (``sensitivity --outer``) when the planner chooses."""
+
+    name: str  # "head" | "embedding"
+    options: dict[str, CandidateCost]
+    measured: bool = True  # False: a scheme the user gave, whose error was not measured (counted as 0)
+
+
+@dataclass(frozen=True, slots=True)
+class OuterChoice:
+    name: str  # "head" | "embedding"
+    scheme: str  # as --quantize-head / --quantize-embedding take it ("none": float)
+    bits: int
+    error: float | None  # predicted error (None: not measured)
+
+
 @dataclass(slots=True)
 class Plan:
     model: str
@@ -58,12 +76,23 @@ class Plan:
     max_size_mb: float | None = None
     pins: list[tuple[str, str]] = field(default_factory=list)
     search_states: int = 0  # most partial plans the exact search kept after any unit (0: no search was needed)
-    outer_bits: int = 0  # a whole-model budget's bits outside the measured linears (0: the linears alone)
+    outer_bits: int = 0  # a whole-model budget's bits outside the measured linears and ``outer`` (0: the linears)
+    outer: list[OuterChoice] = field(default_factory=list)  # the head's and the embedding's schemes, when planned
+    untied_head: bool = False  # the plan pays for a head that the run unties (--rotate hadamard)
 
     @property
     def whole_model_mb(self) -> float:
-        """The checkpoint's tensors in MB: the measured linears plus ``outer_bits``."""
-        return (self.total_bits + self.outer_bits) / BITS_PER_MB
+        """The checkpoint's tensors in MB: the measured linears plus ``outer_bits`` and the outer choices."""
+        return (self.total_bits + self.outer_bits + sum(o.bits for o in self.outer)) / BITS_PER_MB
+
+    @property
+    def whole_error(self) -> float:
+        """The predicted error the plan minimises: the linears' plus the measured head's and embedding's."""
+        return math.fsum([self.predicted_error, *(o.error or 0.0 for o in self.outer)])
+
+    def outer_scheme(self, name: str) -> str | None:
+        """The planned scheme of the head or the embedding; None when the plan does not set it."""
+        return next((o.scheme for o in self.outer if o.name == name), None)
 
     @property
     def total_bits(self) -> int:
@@ -116,30 +145,52 @@ def plan(
     max_size_mb: float | None = None,
     pins: Sequence[tuple[str, str]] = (),
     outer_bits: int = 0,
+    outer: Sequence[OuterUnit] = (),
+    untied_head: bool = False,
 ) -> Plan:
     """The least-error assignment of one measured candidate per unit whose total bits fit the budget;
     ``outer_bits``: what the checkpoint holds outside the measured linears (:mod:`quantkit.mixed.whole_model`),
-    taken from ``max_size_mb`` first, so that the whole checkpoint fits it."""
+    taken from ``max_size_mb`` first, so that the whole checkpoint fits it; ``outer``: the head and the embedding
+    as two more units of the same knapsack (their bits count against ``max_size_mb`` only)."""
     measurement.validate()
+    if outer and (max_size_mb is None or target_bits is not None):
+        raise QuantkitError("the head and the embedding are planned under a whole-model --max-size-mb budget alone")
     budget = budget_bits(measurement, target_bits=target_bits, max_size_mb=max_size_mb, outer_bits=outer_bits)
     allowed, pinned = _allowed_options(measurement, pins)
     costs, errors = _cost_tables(measurement, allowed)
+    n_units = len(costs)
+    outer_names = [list(o.options) for o in outer]
+    costs += [[o.options[n].bits for n in names] for o, names in zip(outer, outer_names, strict=True)]
+    errors += [[o.options[n].error for n in names] for o, names in zip(outer, outer_names, strict=True)]
     lo, hi = sum(min(c) for c in costs), sum(max(c) for c in costs)
     if lo > budget:
-        message = _infeasible_message(budget, lo, hi, measurement.total_params, bool(pins))
-        if outer_bits and max_size_mb is not None:
-            message += (
-                f" (the budget counts {format_mb(outer_bits / 8)} outside the measured linears: embedding, head, norms)"
-            )
-        raise QuantkitError(message)
+        if (outer_bits or outer) and max_size_mb is not None and target_bits is None:
+            outside = outer_bits + sum(min(c) for c in costs[n_units:])
+            raise QuantkitError(_whole_model_message(max_size_mb, lo + outer_bits, outside))
+        raise QuantkitError(_infeasible_message(budget, lo, hi, measurement.total_params, bool(pins)))
     choice, states = search_mckp(costs, errors, budget)
     assert choice is not None  # feasible: lo <= budget
     units = [
         UnitChoice(u.name, list(u.modules), u.params, allowed[i][j], errors[i][j], costs[i][j], pinned[i])
-        for i, (u, j) in enumerate(zip(measurement.units, choice, strict=True))
+        for i, (u, j) in enumerate(zip(measurement.units, choice[: len(measurement.units)], strict=True))
+    ]
+    picks = choice[len(measurement.units) :]
+    chosen = [
+        OuterChoice(o.name, names[j], o.options[names[j]].bits, o.options[names[j]].error if o.measured else None)
+        for o, names, j in zip(outer, outer_names, picks, strict=True)
     ]
     return Plan(
-        measurement.model, measurement.mode, units, budget, target_bits, max_size_mb, list(pins), states, outer_bits
+        measurement.model,
+        measurement.mode,
+        units,
+        budget,
+        target_bits,
+        max_size_mb,
+        list(pins),
+        states,
+        outer_bits,
+        chosen,
+        untied_head,
     )
 
 
@@ -228,6 +279,16 @@ def _infeasible_message(budget: int, lo: int, hi: int, params: int, pinned: bool
         f"the budget of {size(budget)} cannot be met{given}: the smallest reachable size is {size(lo)} and the "
         f"largest is {size(hi)}; raise the budget to at least {size(lo)}"
         + (" or relax the pins" if pinned else " or measure smaller candidates")
+    )
+
+
+def _whole_model_message(max_size_mb: float, least: int, outside: int) -> str:
+    """``least``: the smallest whole checkpoint in bits; ``outside``: the least of it outside the measured linears."""
+    smallest = math.ceil(least / 8e3) / 1e3  # MB, rounded up: a budget of this size fits
+    return (
+        f"the whole checkpoint cannot fit {max_size_mb} MB: the smallest reachable is {smallest:.3f} MB, "
+        f"{format_mb(outside / 8, decimals=3)} of it outside the measured linears (embedding, head, norms); raise "
+        f"--max-size-mb to at least {smallest:.3f} or measure smaller candidates"
     )
 
 

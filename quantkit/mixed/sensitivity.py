@@ -36,10 +36,11 @@ from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES, parse_candidate
 from quantkit.mixed.expert_units import is_expert_unit_stage, merge_expert_units
 from quantkit.mixed.measurement import DEFAULT_MODE, MODES, Measurement, UnitMeasurement, save_measurement
+from quantkit.mixed.outer_units import DEFAULT_OUTER, SOLVERS, check_outer_candidates, measure_outer
 from quantkit.mixed.unit_error import KLReference, UnitMeter
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.blocks import BlockRunner, embed
-from quantkit.model.source_weights import SourceWeights, build_skeleton
+from quantkit.model.source_weights import SourceWeights, build_skeleton, config_json
 from quantkit.model.staged_block import StagedBlock
 from quantkit.quantization.block_loop import embed_inputs, stage_hessians, walk_blocks
 from quantkit.quantization.config import QuantizeConfig
@@ -67,6 +68,8 @@ class SensitivityConfig:
     batch_size: int = QuantizeConfig.batch_size
     device: str = QuantizeConfig.device  # where blocks, statistics, solves (and the kl/hybrid model) live
     show_progress: bool = True
+    outer: bool = False  # also measure the head and the embedding as units (outer_units.py); kl/hybrid only
+    outer_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_OUTER))  # --quantize-head spellings
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -78,6 +81,13 @@ class SensitivityConfig:
         if self.kl_windows < 1:
             raise QuantkitError(f"--kl-windows must be at least 1, got {self.kl_windows}")
         resolve_device(self.device)
+        if self.outer:
+            check_outer_candidates(self.outer_candidates)
+            if self.mode == "proxy":
+                raise QuantkitError(
+                    "--outer measures the head and the embedding as final-logit KL, which --mode proxy does not "
+                    "compute; use --mode hybrid (the default) or kl"
+                )
 
 
 def solver_options(configs: Sequence[Any]) -> GPTQSettings:
@@ -136,6 +146,12 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
             hidden = staged.output()
             if meter.kl is not None:
                 meter.kl.hidden = runner.run(visit.module, meter.kl.hidden)
+        outer = []
+        if config.outer:
+            assert meter.kl is not None  # validate() refuses --outer in proxy mode
+            eps = float(config_json(source).get("rms_norm_eps", 1e-6))
+            kl_ids = calibration.input_ids[: config.kl_windows].to(device)
+            outer = measure_outer(meter.kl, arch, kl_ids, hidden, config.outer_candidates, storage, eps)
     measurement = Measurement(
         model=str(model),
         mode=config.mode,
@@ -150,7 +166,9 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
             "mse_clip": config.mse_clip,
             "kl_windows": config.kl_windows if config.mode != "proxy" else None,
             "seconds": round(time.perf_counter() - start, 1),
-        },
+        }
+        | ({"outer_solvers": dict(SOLVERS)} if outer else {}),
+        outer=outer,
     )
     if output is not None:
         save_measurement(measurement, Path(output))

@@ -93,6 +93,56 @@ def outer_cost(
     return OuterCost(fixed, storage_bits(head_s, *shape) + SHAPE_BITS, head.lower(), embedding.lower())
 
 
+# A safetensors header entry is '"<name>":{"dtype":"BF16","shape":[N,K],"data_offsets":[A,B]},': at most the name
+# plus 96 bytes for 2-D shapes under 10^6 and offsets under 10^11 bytes. A quantized linear (or head, embedding) writes
+# at most 5 tensors (weight_packed/weight, weight_scale, weight_zero_point or a global scale, input scales,
+# weight_shape), each name at most 20 bytes longer than the module's. A shard adds its 8-byte length, the
+# {"__metadata__":{"format":"pt"}} object and up to 7 bytes of padding: 64 bytes at most.
+_ENTRY_BYTES, _SUFFIX_BYTES, _PARTS, _SHARD_BYTES, _MAX_SHARD = 96, 20, 5, 64, 2 * 1024**3
+
+
+def header_bits(measurement: Measurement, source: Path, max_size_mb: float) -> int:
+    """An upper bound on the safetensors headers of a checkpoint of ``source`` (written in 2 GiB shards at most), so
+    that a whole-model budget bounds the files' bytes, as the recipes' ``max_checkpoint_mb`` gate counts them."""
+    tensors = _source_tensors(source)
+    quantizable = {f"{module}.weight" for unit in measurement.units for module in unit.modules}
+    quantizable |= {HEAD_NAME} | {k for k in tensors if k.endswith(EMBED_LEAF)}
+    entries = sum(
+        _PARTS * (len(key) + _SUFFIX_BYTES + _ENTRY_BYTES) if key in quantizable else len(key) + _ENTRY_BYTES
+        for key in tensors
+    )
+    if HEAD_NAME not in tensors:  # a head the run unties is written as lm_head.*
+        entries += _PARTS * (len(HEAD_NAME) + _SUFFIX_BYTES + _ENTRY_BYTES)
+    shards = math.ceil(max_size_mb * 1e6 / _MAX_SHARD) + 1
+    return 8 * (entries + shards * _SHARD_BYTES)
+
+
+@dataclass(frozen=True, slots=True)
+class OuterTables:
+    """A whole-model budget with the head and the embedding as units: the bits outside the linears that do not depend
+    on their schemes, and each scheme's own bits (keyed by ``--quantize-head`` spellings)."""
+
+    rest_bits: int  # norms, biases, weight_shape tensors: outer_cost's fixed bits less the float embedding
+    head: dict[str, int]  # empty: a tied head (no bits of its own, no choice)
+    embedding: dict[str, int]
+
+
+def outer_tables(
+    measurement: Measurement, source: Path, heads: list[str], embeddings: list[str], untied_head: bool = False
+) -> OuterTables:
+    """:func:`outer_cost` split per choice: ``rest_bits + head[h] + embedding[e]`` equals
+    ``outer_cost(measurement, source, h, untied_head, e).bits`` for every pair (tied heads: ``head`` is empty)."""
+    tensors = _source_tensors(source)
+    embed = next((k for k in tensors if k.endswith(EMBED_LEAF)), None)
+    base = outer_cost(measurement, source, "none", untied_head, "none")
+    assert embed is not None  # outer_cost refuses a source without one
+    float_embedding = math.prod(tensors[embed][0]) * tensors[embed][1]
+    rest = base.fixed_bits - float_embedding
+    embedding = {e: outer_cost(measurement, source, "none", untied_head, e).fixed_bits - rest for e in embeddings}
+    head = {h: outer_cost(measurement, source, h, untied_head, "none").head_bits for h in heads}  # refuses tied ones
+    return OuterTables(rest, {} if base.head == "tied" else head, embedding)
+
+
 def _config_ties(source: Path) -> bool:
     import json
 

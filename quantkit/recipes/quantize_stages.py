@@ -30,9 +30,11 @@ def check_layouts(run: RecipeRun, model_path: Path) -> None:
 
 def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | None) -> QuantizeConfig:
     """The recipe's quantization section as a job config (the output is replaced once the new one is done)."""
-    from quantkit.mixed.plan_apply import planned_schemes
+    from quantkit.mixed.plan_apply import check_planned_outer, planned_schemes
 
     q = run.recipe.quantization
+    if plan_path is not None:  # a whole-model plan's head and embedding schemes: the recipe writes them
+        check_planned_outer(plan_path, q.solver_configs())
     return QuantizeConfig(
         solvers=q.solver_configs(),
         scheme=q.quant_scheme(),

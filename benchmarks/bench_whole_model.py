@@ -72,7 +72,9 @@ def cells(row: dict[str, Any]) -> list[str]:
         low, high = c["perplexity_ratio_ci95_pct"]
         kl_other = c.get("kl_mean")
         out += [
-            f"{r['kl_mean']:.4f} / {kl_other:.4f}" if kl_other is not None else f"{r['kl_mean']:.4f}",
+            f"{r['kl_mean']:.4f} / {kl_other:.4f} {c['kl_difference']['verdict']}"
+            if kl_other is not None
+            else f"{r['kl_mean']:.4f}",
             f"{c['perplexity_ratio_pct']:+.2f}% [{low:+.2f}, {high:+.2f}] {c['verdict']}",
         ]
     return out
@@ -100,20 +102,21 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="every row as JSON, rewritten after each")
     parser.add_argument("--record", default=None, help="record the table as benchmarks/results/NAME.json")
     parser.add_argument("--order", type=int, default=51, help="the recorded table's place on the page")
+    parser.add_argument("--from-json", type=Path, default=None, help="table (and --record) from an earlier --json")
     args = parser.parse_args()
     console = Console(width=max(Console().width, 160))
     measurement = load_measurement(args.measurement)
     source = resolve_model(args.model)
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = json.loads(args.from_json.read_text()) if args.from_json else []
     with tempfile.TemporaryDirectory() as tmp:
         where = args.keep or Path(tmp)
         where.mkdir(parents=True, exist_ok=True)
         sizes: dict[str, int] = {}
-        for name in args.uniform.split(","):
+        for name in args.uniform.split(",") if args.from_json is None else []:
             console.print(f"[bold]uniform {name}[/]")
             sizes[name] = quantize(args.model, where / f"uniform-{name}", *scheme_flags(name))
         extra = [float(b) for b in args.extra_budgets.split(",") if b]
-        budgets = sorted([size / 1e6 for size in sizes.values()] + extra)
+        budgets = sorted([size / 1e6 for size in sizes.values()] + extra) if args.from_json is None else []
         for budget in budgets:
             fits = {name: size for name, size in sizes.items() if size / 1e6 <= budget + 1e-9}
             if not fits:
@@ -159,7 +162,8 @@ def main() -> None:
             columns=COLUMNS,
             rows=[cells(row) for row in rows],
             notes=[
-                "KL plan / uniform: mean KL divergence from the original model of the plan and of the uniform scheme.",
+                "KL plan / uniform: mean KL divergence from the original model of the plan and of the uniform scheme, "
+                "and the verdict of their paired difference per window.",
                 "A verdict 'better' means the whole 95% interval of the paired perplexity ratio is below 0.",
             ],
         )

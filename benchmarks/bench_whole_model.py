@@ -12,6 +12,12 @@ the planner's bound on the files' headers) is skipped: there the plan could only
     python -m quantkit sensitivity smollm2-135m -o m.json --candidates int3-g64,int4-g128,int4-g64,int4-g32,int8,fp16
     python -m benchmarks.bench_whole_model --measurement m.json --extra-budgets 140 --record mixed_whole_model
 
+With ``--rotate`` the plans' runs also rotate (``--rotate hadamard``), which unties SmolLM2's head: the head and the
+embedding are then planned units (``--head auto --embedding auto --untied-head``, from a measurement taken with
+``sensitivity --outer``), so the plan may spend the float embedding's bytes on the linears. The uniform schemes are
+not rotated: the row compares what a user can ship at that size with the planner and the rotation against a plain
+uniform scheme. ``--reuse-uniform DIR`` takes the uniform checkpoints (and their sizes) from an earlier ``--keep``.
+
 Quantizations run one after the other, each in its own process, with the method's default solver options.
 """
 
@@ -65,7 +71,9 @@ def paired(model: Path, against: Path, reference: str, windows: int) -> dict[str
 
 
 def cells(row: dict[str, Any]) -> list[str]:
-    out = [f"{row['budget_mb']:.2f}", f"{row['plan_mb']:.2f}", f"{row['uniform']} ({row['uniform_mb']:.2f})"]
+    outer = ", ".join(f"{name} {scheme}" for name, scheme in (row.get("outer") or {}).items())
+    plan = f"{row['plan_mb']:.2f}" + (f" ({outer})" if outer else "")
+    out = [f"{row['budget_mb']:.2f}", plan, f"{row['uniform']} ({row['uniform_mb']:.2f})"]
     for domain in (IN, OUT):
         r = row[domain]
         c = r["comparison"]
@@ -103,6 +111,8 @@ def main() -> None:
     parser.add_argument("--record", default=None, help="record the table as benchmarks/results/NAME.json")
     parser.add_argument("--order", type=int, default=51, help="the recorded table's place on the page")
     parser.add_argument("--from-json", type=Path, default=None, help="table (and --record) from an earlier --json")
+    parser.add_argument("--rotate", action="store_true", help="plans: rotated runs, head and embedding planned")
+    parser.add_argument("--reuse-uniform", type=Path, default=None, help="the uniform checkpoints of an earlier --keep")
     args = parser.parse_args()
     console = Console(width=max(Console().width, 160))
     measurement = load_measurement(args.measurement)
@@ -114,6 +124,10 @@ def main() -> None:
         sizes: dict[str, int] = {}
         for name in args.uniform.split(",") if args.from_json is None else []:
             console.print(f"[bold]uniform {name}[/]")
+            if args.reuse_uniform is not None:
+                summary = json.loads((args.reuse_uniform / f"uniform-{name}.json").read_text())
+                sizes[name] = int(summary["checkpoint_bytes"])
+                continue
             sizes[name] = quantize(args.model, where / f"uniform-{name}", *scheme_flags(name))
         extra = [float(b) for b in args.extra_budgets.split(",") if b]
         budgets = sorted([size / 1e6 for size in sizes.values()] + extra) if args.from_json is None else []
@@ -124,16 +138,20 @@ def main() -> None:
                 continue
             uniform = max(fits, key=fits.__getitem__)  # the largest that fits: the one of equal size, if any
             try:
-                chosen = whole_model_plan(measurement, source, budget)
+                outer = {"head": "auto", "embedding": "auto", "untied_head": True} if args.rotate else {}
+                chosen = whole_model_plan(measurement, source, budget, **outer)
             except QuantkitError as exc:  # the smallest candidate everywhere, with the files' headers, is larger
                 console.print(f"budget {budget:.1f} MB: {exc}; skipped")
                 continue
             plan_file = save_plan(chosen, where / f"plan-{budget:.1f}.yaml")
             console.print(f"[bold]plan at {budget:.1f} MB[/] (against {uniform})")
-            plan_bytes = quantize(args.model, where / f"plan-{budget:.1f}", "--plan", str(plan_file))
+            rotate = ["--rotate", "hadamard"] if args.rotate else []
+            plan_bytes = quantize(args.model, where / f"plan-{budget:.1f}", "--plan", str(plan_file), *rotate)
             row = {"budget_mb": budget, "plan_mb": plan_bytes / 1e6, "uniform": uniform}
             row |= {"uniform_mb": fits[uniform] / 1e6, "predicted": chosen.predicted_error}
-            row |= paired(where / f"plan-{budget:.1f}", where / f"uniform-{uniform}", args.model, args.eval_windows)
+            uniforms = args.reuse_uniform or where
+            row |= paired(where / f"plan-{budget:.1f}", uniforms / f"uniform-{uniform}", args.model, args.eval_windows)
+            row["outer"] = {o.name: o.scheme for o in chosen.outer}
             rows.append(row)
             console.print("  " + " | ".join(cells(row)))
             if args.json:
@@ -145,18 +163,27 @@ def main() -> None:
         table.add_row(*cells(row))
     console.print(table)
     if args.record:
+        counted = "every tensor" if args.rotate else "the tied float embedding and every other tensor"
         record_table(
             args.record,
-            title="Mixed precision under whole-checkpoint budgets",
+            title="Mixed precision under whole-checkpoint budgets"
+            + (", rotated, with the head and the embedding planned" if args.rotate else ""),
             order=args.order,
             protocol=(
                 f"One `quantkit sensitivity` measurement ({measurement.mode}, candidates "
                 f"{', '.join(measurement.candidates)}); GPTQ defaults, 128 x 512 calibration windows of the shipped "
                 "Austen corpus for every checkpoint. Budgets: each uniform scheme's checkpoint size (safetensors "
                 "files, MB = 10^6 bytes) and the extra ones; the plan is `plan --whole-model --max-size-mb BUDGET` "
-                "(the tied float embedding and every other tensor counted) and is compared, window by window, with "
+                f"({counted} counted) and is compared, window by window, with "
                 f"the largest uniform scheme that fits the budget; evaluation: {args.eval_windows} windows of 512 "
                 "tokens of held-out Persuasion (in) and Moby-Dick chapters 101-135 (out), against the original model."
+                + (
+                    " Rotated: the plans' runs add --rotate hadamard (the head untied) and plan the head and the "
+                    "embedding (--head auto --embedding auto --untied-head, measured with sensitivity --outer on the "
+                    "unrotated model); the uniform schemes are plain, not rotated."
+                    if args.rotate
+                    else ""
+                )
             ),
             baseline="the uniform scheme named in the row, on the same windows (paired perplexity ratio, 95% interval)",
             columns=COLUMNS,

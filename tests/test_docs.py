@@ -129,3 +129,13 @@ def test_the_recipe_page_names_every_gate_the_report_checks() -> None:
     gates_item = (DOCS / "recipes.md").read_text().split("- `gates`:", 1)[1].split("\n- `", 1)[0]
     missing = [name for name in GATES if name not in gates_item]
     assert not missing, f"docs/recipes.md's gates item does not name {missing}"
+
+
+def test_the_recipe_page_states_the_mixed_keys_and_the_outer_default_of_the_schema() -> None:
+    from quantkit.recipes.schema import MixedSection
+
+    item = (DOCS / "recipes.md").read_text().split("instead of one scheme, `mixed`", 1)[1].split("\n- `", 1)[0]
+    missing = [key for key in MixedSection.model_fields if f"`{key}" not in item]
+    assert not missing, f"docs/recipes.md's mixed item does not name {missing}"
+    default = MixedSection.model_fields["outer_candidates"].default_factory()  # type: ignore[misc]
+    assert f"default `[{', '.join(default)}]`" in " ".join(item.split())

@@ -62,17 +62,31 @@ def with_planned_outer(path: Path, values: dict[str, Any]) -> dict[str, Any]:
 _ALGORITHMS = {"head": "head_quant", "embedding": "embed_quant"}  # the methods that write them (registry names)
 
 
-def check_planned_outer(path: Path, configs: list[Any]) -> None:
-    """A recipe sets the head's and the embedding's schemes in its solvers: they must be the plan's, which sized the
-    checkpoint with them (a plan without an ``outer`` section sets neither)."""
+def with_planned_outer_configs(path: Path, configs: list[Any]) -> list[Any]:
+    """A recipe's algorithm configs with the plan's head and embedding schemes (its ``outer`` section) written in:
+    the plan sized the checkpoint with them. A recipe that writes one of them as another scheme is refused; one that
+    leaves it out gets the plan's (a plan without an ``outer`` section sets neither)."""
+    import dataclasses
+
     from quantkit.mixed.plan_outer import planned_flags
     from quantkit.quantization.methods import registry
 
+    out = list(configs)
     for name, scheme in planned_flags(load_plan(Path(path)).outer).items():
-        algorithm = _ALGORITHMS[name]
-        given = next((str(c.scheme).strip().lower() for c in configs if registry.of(c).name == algorithm), "none")
-        if given != scheme:
+        algorithm = registry.by_name(_ALGORITHMS[name])
+        index = next((i for i, c in enumerate(out) if registry.of(c) is algorithm), None)
+        given = "none" if index is None else str(out[index].scheme).strip().lower()
+        if given == scheme:
+            continue
+        if given != "none":
             raise QuantkitError(
                 f"the plan {path} sized the checkpoint with the {name} as {scheme}, and the recipe writes it as "
-                f"{given}; set `{algorithm}: {{scheme: {scheme}}}` in the recipe's quantization solvers"
+                f"{given}; drop `{algorithm.name}` from the recipe's quantization solvers (the plan sets it) or set "
+                f"`{algorithm.name}: {{scheme: {scheme}}}`"
             )
+        if index is None:
+            out.append(algorithm.config(scheme=scheme))
+        else:
+            out[index] = dataclasses.replace(out[index], scheme=scheme)
+    order = [a.name for a in registry.algorithms()]  # the run order configs_of gives
+    return sorted(out, key=lambda c: order.index(registry.of(c).name))

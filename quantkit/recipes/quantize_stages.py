@@ -30,13 +30,14 @@ def check_layouts(run: RecipeRun, model_path: Path) -> None:
 
 def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | None) -> QuantizeConfig:
     """The recipe's quantization section as a job config (the output is replaced once the new one is done)."""
-    from quantkit.mixed.plan_apply import check_planned_outer, planned_schemes
+    from quantkit.mixed.plan_apply import planned_schemes, with_planned_outer_configs
 
     q = run.recipe.quantization
-    if plan_path is not None:  # a whole-model plan's head and embedding schemes: the recipe writes them
-        check_planned_outer(plan_path, q.solver_configs())
+    solvers = q.solver_configs()
+    if plan_path is not None:  # a whole-model plan's head and embedding schemes, which sized the checkpoint
+        solvers = with_planned_outer_configs(plan_path, solvers)
     return QuantizeConfig(
-        solvers=q.solver_configs(),
+        solvers=solvers,
         scheme=q.quant_scheme(),
         calibration_file=calib_path,
         ignore=list(q.ignore),

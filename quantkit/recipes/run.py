@@ -53,7 +53,7 @@ def _run(
     model_path, model_id = model_stage(run)
     check_layouts(run, model_path)
     calib_path = calibration_stage(run, model_id)
-    plan_path = mixed_stages(run, model_id, calib_path) if recipe.quantization.mixed is not None else None
+    plan_path = mixed_stages(run, model_id, model_path, calib_path) if recipe.quantization.mixed is not None else None
     if recipe.quantization.plan is not None:
         plan_path = Path(recipe.quantization.plan)
     quantize_stage(run, model_path, calib_path, plan_path, output)

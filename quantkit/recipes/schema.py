@@ -10,10 +10,10 @@ paths are relative to the current directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import yaml
-from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, PrivateAttr, field_validator, model_validator
 
 from quantkit.data.calibration import SELECTIONS, STRATEGIES, CalibrationConfig
 from quantkit.device import DEFAULT_DEVICE, check_device_name
@@ -25,8 +25,10 @@ from quantkit.format.engines import LAYOUT_POLICIES
 from quantkit.format.presets import PRESETS, preset
 from quantkit.format.scheme import SUPPORTED_BITS, QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES
-from quantkit.mixed.measurement import MODES, CandidateName
+from quantkit.mixed.measurement import MODES, CandidateName, outer_spelling
+from quantkit.mixed.outer_units import check_outer_candidates
 from quantkit.mixed.sensitivity import SensitivityConfig
+from quantkit.mixed.whole_plan import AUTO
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import DEFAULT_METHOD, JobSteps, resolve_scheme
 from quantkit.recipes.legacy import upgrade_flat_keys
@@ -59,6 +61,14 @@ Strategy = one_of(STRATEGIES)
 Selection = one_of(SELECTIONS)
 Bits = one_of(SUPPORTED_BITS)
 Mode = one_of(MODES)
+
+
+def _outer_choice(value: str) -> str:
+    value = value.strip().lower()
+    return value if value == AUTO else outer_spelling(value)
+
+
+OuterChoice = Annotated[str, AfterValidator(_outer_choice)]  # a head/embedding scheme (none: float), or auto
 LayoutPolicy = one_of(LAYOUT_POLICIES)
 Preset = one_of(PRESETS)
 SolversSection = solvers_model()
@@ -108,12 +118,34 @@ class MixedSection(FileModel):
     candidates: list[CandidateName] = Field(default_factory=lambda: list(DEFAULT_CANDIDATES), min_length=1)
     pins: dict[Regex, CandidateName] = Field(default_factory=dict)  # regex -> candidate
     mode: Mode = SensitivityConfig.mode
+    # as `quantkit plan --whole-model`: max_size_mb counts the whole checkpoint; head and embedding: a scheme as
+    # --quantize-head spells it, or auto (measured by `sensitivity --outer` with outer_candidates, then planned)
+    whole_model: bool = False
+    head: OuterChoice = "none"
+    embedding: OuterChoice = "none"
+    outer_candidates: list[str] = Field(default_factory=lambda: list(SensitivityConfig().outer_candidates))
 
     @model_validator(mode="after")
     def _one_budget(self) -> MixedSection:
         if (self.target_bits is None) == (self.max_size_mb is None):
             raise rule_error("give exactly one budget: target_bits (e.g. 4.5) or max_size_mb")
+        if not self.whole_model and (self.head, self.embedding) != ("none", "none"):
+            raise rule_error("head and embedding are planned in a whole-model budget: set whole_model: true")
+        if self.whole_model and self.max_size_mb is None:
+            raise rule_error("whole_model budgets the checkpoint's bytes: give max_size_mb, not target_bits")
+        if self.measures_outer and self.mode == "proxy":
+            raise rule_error("head/embedding auto are measured by final-logit KL: use mode hybrid or kl", "mode")
+        if self.measures_outer:
+            try:
+                check_outer_candidates(self.outer_candidates)
+            except QuantkitError as exc:
+                raise rule_error(str(exc), "outer_candidates") from None
         return self
+
+    @property
+    def measures_outer(self) -> bool:
+        """The sensitivity stage measures the head and the embedding as units (one of them is auto)."""
+        return AUTO in (self.head, self.embedding)
 
 
 class QuantizationSection(FileModel):

@@ -106,12 +106,15 @@ def calibration_stage(run: RecipeRun, model_id: str) -> Path:
     return path
 
 
-def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
-    """Sensitivity (cached by its inputs), then the plan under the recipe's budget; returns the plan file."""
+def mixed_stages(run: RecipeRun, model_id: str, model_path: Path, calib_path: Path) -> Path:
+    """Sensitivity (cached by its inputs), then the plan under the recipe's budget (the whole checkpoint's, head and
+    embedding included, with ``whole_model``); returns the plan file."""
     from quantkit.mixed.measurement import load_measurement
     from quantkit.mixed.plan_file import save_plan
     from quantkit.mixed.planner import plan
     from quantkit.mixed.sensitivity import SensitivityConfig, measure_sensitivity, solver_options
+    from quantkit.mixed.whole_plan import whole_model_plan
+    from quantkit.quantization.methods.composition import JobSteps
 
     quantization = run.recipe.quantization
     mixed = quantization.mixed
@@ -127,6 +130,7 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
             damp=gptq.damp,
             act_order=solver.act_order,
             mse_clip=solver.mse_clip,
+            **({"outer": mixed.outer_candidates} if mixed.measures_outer else {}),
         )
         path = run.root / "measurement" / f"{st.key}.json"
         st.cached = path.is_file()
@@ -142,14 +146,26 @@ def mixed_stages(run: RecipeRun, model_id: str, calib_path: Path) -> Path:
                 calibration_file=calib_path,
                 device=run.recipe.device,
                 show_progress=run.show_progress,
+                outer=mixed.measures_outer,
+                outer_candidates=list(mixed.outer_candidates),
             )
             measurement = measure_sensitivity(run.recipe.model, config, path)
         st.detail = f"{len(measurement.units)} units, mode {mixed.mode}"
     run.hashes["measurement"] = st.key
     with run.stage("plan") as st:
         pins = list(mixed.pins.items())
-        chosen = plan(measurement, target_bits=mixed.target_bits, max_size_mb=mixed.max_size_mb, pins=pins)
-        st.key = content_key(measurement=run.hashes["measurement"], budget=[mixed.target_bits, mixed.max_size_mb])
+        budget: list[Any] = [mixed.target_bits, mixed.max_size_mb]
+        if mixed.whole_model:
+            assert mixed.max_size_mb is not None, "the schema asks a whole-model budget for max_size_mb"
+            untied = JobSteps(quantization.solver_configs()).any_cap("unties_head")  # a rotation unties the head
+            chosen = whole_model_plan(
+                measurement, model_path, mixed.max_size_mb, head=mixed.head, embedding=mixed.embedding,
+                untied_head=untied, pins=pins,
+            )  # fmt: skip
+            budget += ["whole model", mixed.head, mixed.embedding, untied]
+        else:
+            chosen = plan(measurement, target_bits=mixed.target_bits, max_size_mb=mixed.max_size_mb, pins=pins)
+        st.key = content_key(measurement=run.hashes["measurement"], budget=budget)
         plan_path = save_plan(chosen, run.root / "plans" / f"{st.key}-{content_key(pins=mixed.pins)}.yaml")
         st.detail = f"{chosen.bits_per_weight:.3f} bits/weight"
     run.artifacts |= {"measurement": str(path), "plan": str(plan_path)}

@@ -180,19 +180,24 @@ def test_a_tied_model_measures_both_units_without_changing_the_other(tmp_path, t
     assert torch.equal(torch.tensor(second.outer_unit("embedding").options["w2g32"].error), torch.tensor(embedding))
 
 
-def test_a_recipe_must_write_the_planned_head_and_embedding(measured, tiny_model_dir, tmp_path):
-    from quantkit.mixed.plan_apply import check_planned_outer
+def test_a_recipe_gets_the_planned_head_and_embedding_and_may_not_write_others(measured, tiny_model_dir, tmp_path):
+    from quantkit.mixed.plan_apply import with_planned_outer_configs
     from quantkit.mixed.plan_file import save_plan
     from quantkit.quantization.methods.embed_quant import EmbedQuantConfig
+    from quantkit.quantization.methods.gptq import GPTQConfig
     from quantkit.quantization.methods.head_quant import HeadQuantConfig
 
     chosen = whole_model_plan(load_measurement(measured), tiny_model_dir, 0.14, head="auto", embedding="auto")
     path = save_plan(chosen, tmp_path / "plan.yaml")
     head, embedding = chosen.outer_scheme("head"), chosen.outer_scheme("embedding")
     assert head is not None and embedding is not None and "none" not in (head, embedding)
-    check_planned_outer(path, [HeadQuantConfig(head), EmbedQuantConfig(embedding)])
+    planned = [HeadQuantConfig(head), EmbedQuantConfig(embedding)]
+    assert with_planned_outer_configs(path, planned) == planned  # written as planned: kept
+    added = with_planned_outer_configs(path, [EmbedQuantConfig(embedding), GPTQConfig()])  # the head left out
+    assert added == [GPTQConfig(), HeadQuantConfig(head), EmbedQuantConfig(embedding)]  # in run order
+    other = "w2g32" if embedding != "w2g32" else "int8"
     with pytest.raises(QuantkitError, match=f"set `embed_quant: {{scheme: {embedding}}}`"):
-        check_planned_outer(path, [HeadQuantConfig(head)])
+        with_planned_outer_configs(path, [HeadQuantConfig(head), EmbedQuantConfig(other)])
 
 
 def test_a_rotated_tied_model_fits_the_budget_with_the_planned_head(tmp_path, tiny_calib_file, capsys):
@@ -212,3 +217,36 @@ def test_a_rotated_tied_model_fits_the_budget_with_the_planned_head(tmp_path, ti
     assert code == 2 and "add --rotate hadamard" in " ".join(err.split())  # the plan's head needs the untying run
     assert run_cli([*quantize, "--rotate", "hadamard"], capsys)[0] == 0
     assert _bytes_on_disk(checkpoint) <= budget * 1e6
+
+
+@pytest.mark.slow
+def test_a_recipe_plans_the_whole_model_head_and_embedding_included(tmp_path, text_corpus, capsys, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    tied = save_tiny_model(tmp_path / "tied", tie_word_embeddings=True)
+    budget = 0.13
+    mixed = (
+        f"{{max_size_mb: {budget}, whole_model: true, head: auto, embedding: auto, "
+        "candidates: [int4-g32, int8, fp16], outer_candidates: [int8, w4g32]}"
+    )
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"model: {tied}\n"
+        f"calibration: {{dataset: {text_corpus}, num_samples: 8, seq_len: 32}}\n"
+        f"quantization:\n  solvers: [rotation, rtn]\n  mixed: {mixed}\n"
+        f"output: {{directory: {tmp_path / 'ckpt'}, force: true}}\n"
+        f"evaluation: {{dataset: {text_corpus}, seq_len: 32, windows: 4}}\n"
+        f"gates: {{max_checkpoint_mb: {budget}}}\n"
+    )
+    code, _, err = run_cli(["run", str(recipe), "--report", str(tmp_path / "report")], capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    plan_file = yaml.safe_load(Path(report["artifacts"]["plan"]).read_text())
+    outer = plan_file["outer"]
+    assert outer["untied_head"] is True  # the recipe's rotation unties the head: the plan paid for it
+    coverage = {k["kind"]: k["schemes"] for k in report["coverage"]["kinds"]}
+    for kind, name in (("head", "head"), ("embeddings", "embedding")):  # written as planned
+        assert ("float" in coverage[kind]) == (outer[name]["scheme"] == "none")
+    assert outer["head"]["scheme"] != "none" or outer["embedding"]["scheme"] != "none"
+    assert _bytes_on_disk(tmp_path / "ckpt") <= budget * 1e6 and report["passed"]
+    measurement = load_measurement(Path(report["artifacts"]["measurement"]))
+    assert [o.name for o in measurement.outer] == ["head", "embedding"]

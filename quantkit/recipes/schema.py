@@ -133,9 +133,9 @@ class MixedSection(FileModel):
             raise rule_error("head and embedding are planned in a whole-model budget: set whole_model: true")
         if self.whole_model and self.max_size_mb is None:
             raise rule_error("whole_model budgets the checkpoint's bytes: give max_size_mb, not target_bits")
-        if self.measures_outer and self.mode == "proxy":
-            raise rule_error("head/embedding auto are measured by final-logit KL: use mode hybrid or kl", "mode")
         if self.measures_outer:
+            if self.mode == "proxy":
+                raise rule_error("head/embedding auto are measured by final-logit KL: use mode hybrid or kl", "mode")
             try:
                 check_outer_candidates(self.outer_candidates)
             except QuantkitError as exc:

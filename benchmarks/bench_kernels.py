@@ -8,7 +8,8 @@ For SmolLM2-135M shapes (hidden 576, intermediate 1536, 9 heads / 3 kv heads, he
 - kv_cache_write vs ``index_copy_``; fused add+RMSNorm vs the eager torch version.
 
 "bound" is bytes moved / measured device-to-device copy bandwidth; "%bw" = bound / kernel time. Timings are
-CUDA events around each call with warmup; the L2 cache is flushed before every timed call unless --no-flush.
+CUDA events around each call with warmup; the L2 cache is flushed before every timed call unless --no-flush. With
+--graph each call is timed inside a CUDA graph instead: the kernel's own time, without the host's launch cost.
 CUDA only: on a machine without a GPU it prints a message and exits 0 (the Triton interpreter is not timed).
 
     python -m benchmarks.bench_kernels --help
@@ -73,6 +74,66 @@ class Timer:
             end.synchronize()
             times.append(start.elapsed_time(end))
         return statistics.median(times)
+
+
+@dataclass
+class GraphTimer:
+    """CUDA-graph timer: the kernel's own time, without the host's launch cost (what a decode step captured in a CUDA
+    graph pays). ``calls`` calls are captured in one graph, each after an L2 flush when ``flush``; the flushes alone
+    are captured in a second graph, and the median replay time of the first minus the second's, over ``calls``, is
+    the per-call time in ms. A call that cannot be captured (a host synchronisation) is timed by ``fallback``."""
+
+    warmup: int
+    reps: int
+    flush: bool
+    calls: int = 10
+
+    def __post_init__(self) -> None:
+        self._l2 = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device=DEVICE) if self.flush else None
+        self.fallback = Timer(self.warmup, self.reps, self.flush)
+        self.failures: list[str] = []
+        self._flush_ms: float | None = None
+
+    def _capture(self, fn: Callable[[], object] | None) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up (compile, allocator) off the capture, as torch's docs advise
+            for _ in range(max(1, self.warmup)):
+                if fn is not None:
+                    fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.calls):
+                if self._l2 is not None:
+                    self._l2.zero_()
+                if fn is not None:
+                    fn()
+        return graph
+
+    def _replay_ms(self, graph: torch.cuda.CUDAGraph) -> float:
+        graph.replay()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(self.reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        try:
+            graph = self._capture(fn)
+        except Exception as exc:  # not capturable: the event timer's figure, and the reason kept for the report
+            torch.cuda.synchronize()
+            self.failures.append(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:120]}")
+            return self.fallback(fn)
+        if self._flush_ms is None:
+            self._flush_ms = self._replay_ms(self._capture(None)) if self._l2 is not None else 0.0
+        return max(self._replay_ms(graph) - self._flush_ms, 1e-6) / self.calls
 
 
 def copy_bandwidth(timer: Timer) -> float:
@@ -186,6 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-flush", action="store_true", help="do not flush L2 before each timed call")
+    parser.add_argument(
+        "--graph",
+        action="store_true",
+        help="time each call inside a CUDA graph (the kernel's own time, no host launch cost), both sides",
+    )
     parser.add_argument("--json", type=Path, help="also write every row (times in ms) and the bandwidth here")
     args = parser.parse_args(argv)
 
@@ -196,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    timer = Timer(args.warmup, args.reps, flush=not args.no_flush)
-    bw = copy_bandwidth(timer)
+    events = Timer(args.warmup, args.reps, flush=not args.no_flush)
+    bw = copy_bandwidth(events)
+    timer = GraphTimer(args.warmup, args.reps, flush=not args.no_flush) if args.graph else events
     console = Console()
     console.print(f"[bold]{torch.cuda.get_device_name()}[/]: device-to-device copy bandwidth {bw / 1e6:.0f} GB/s")
     models = [m for m in (SMOL, LLAMA7B) if m["name"] in args.models]
@@ -226,6 +293,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     console.print(table)
     console.print("torch baselines: fp16 dense matmul; SDPA on pre-gathered K/V; index_copy_; eager add+RMSNorm.")
+    if args.graph:
+        console.print("times: per call inside a CUDA graph (no host launch cost), the L2 flushes subtracted.")
+        for failure in timer.failures:
+            console.print(f"[yellow]not capturable, timed with events instead:[/] {failure}")
     if args.json is not None:
         write_json(args.json, torch.cuda.get_device_name(), bw, rows, vars(args))
     return 0

@@ -36,8 +36,11 @@ def record_table(
     rows: list[list[str]],
     notes: list[str] | None = None,
     command: str | None = None,
+    machine_name: str | None = None,
+    measured: str | None = None,
 ) -> Path:
-    """Write ``benchmarks/results/<name>.json``; the command defaults to this process's command line."""
+    """Write ``benchmarks/results/<name>.json``; the command defaults to this process's command line, the machine
+    and the date to this one's (a table recorded from another machine's files names that machine and its date)."""
     for row in rows:
         if len(row) != len(columns):
             raise ValueError(f"{name}: a row has {len(row)} cells for {len(columns)} columns: {row}")
@@ -47,8 +50,8 @@ def record_table(
         "command": command or " ".join(["python -m", _module(), *sys.argv[1:]]),
         "protocol": protocol,
         "baseline": baseline,
-        "machine": machine(),
-        "measured": time.strftime("%Y-%m-%d"),
+        "machine": machine_name or machine(),
+        "measured": measured or time.strftime("%Y-%m-%d"),
         "columns": columns,
         "rows": rows,
         "notes": notes or [],

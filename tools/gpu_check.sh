@@ -22,7 +22,7 @@
 #              tokens): the packed matmul and RMSNorm kernels as the engine calls them on CUDA; GPTQ W4 --device cuda
 #   kernels    pytest tests/runtime/kernels on the GPU (-n 8 --timeout 120 where xdist and pytest-timeout exist)
 #   bench      benchmarks/bench_kernels.py on 7B shapes (paged attention at context 4096, batch 16 is the goal
-#              figure) W4 g128 and W8 per-channel, and a block-size sweep of the W4 matmul per M bucket
+#              figure) W4 g128 (also inside CUDA graphs: no launch cost) and W8 per-channel, and a block-size sweep of the W4 matmul per M bucket
 #   parity     the engine (Triton, float16) against HF transformers on the float 135M-shape model: logits
 #   build7b    a random Llama-2-7B-shape float16 model drawn on the GPU
 #   rtn7b      quantize --method rtn W4 g128 --device cuda of it
@@ -155,6 +155,10 @@ step_bench() {
   py -m benchmarks.bench_kernels --models llama7b --batches 1 16 64 --prefill 256 --context 4096 --bits 4 \
     --group-size 128 --json "$WORK/bench_w4.json" && py -m tools.gpu_check bench-figures "$WORK/bench_w4.json" \
     "$RESULTS/bench/w4.json" || rc=1
+  # the same W4 kernels timed inside a CUDA graph: their own time, without the host's launch cost
+  py -m benchmarks.bench_kernels --models llama7b --kernels matmul attention --batches 1 16 --prefill 256 \
+    --context 4096 --bits 4 --group-size 128 --graph --json "$WORK/bench_graph.json" \
+    && py -m tools.gpu_check bench-figures "$WORK/bench_graph.json" "$RESULTS/bench/graph.json" || rc=1
   py -m tools.gpu_check sweep "$RESULTS/bench/sweep.json" || rc=1
   py -m benchmarks.bench_kernels --models llama7b --kernels matmul --batches 1 16 --prefill 256 --bits 8 \
     --group-size -1 --json "$WORK/bench_w8.json" && py -m tools.gpu_check bench-figures "$WORK/bench_w8.json" \

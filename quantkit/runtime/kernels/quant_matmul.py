@@ -13,6 +13,7 @@ never straddles two words). Accumulation is fp32.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -142,6 +143,7 @@ class QuantMatmulConfig:
     num_stages: int = 3
 
 
+@functools.lru_cache(maxsize=16)  # the launcher runs per layer per step: no device query each time
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -152,6 +154,7 @@ def _group_uniform(block_k: int, group: int, k: int, has_gidx: bool) -> bool:
     return not has_gidx and (group >= k or group % block_k == 0)
 
 
+@functools.lru_cache(maxsize=1024)  # one entry per (shape, layout): the launch path stays cheap
 def default_config(
     m: int, n: int, k: int, bits: int, group: int, has_gidx: bool, device: torch.device
 ) -> QuantMatmulConfig:

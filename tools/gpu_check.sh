@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The device call (one call, about 7 minutes; paste as is):
 #   run(command="bash tools/gpu_check.sh --budget 450 --out $OUT", carry=[".whl"], timeout_s=480)
+# What is still missing after the H100 run of 2026-11-27 (benchmarks/gpu/, docs/benchmarks.md "GPU: ..."): the
+# engine's decode figure. That call, first:
+#   run(command="bash tools/gpu_check.sh --budget 450 --out $OUT install smoke build7b rtn7b decode7b kernels",
+#       carry=[".whl"], timeout_s=480)
 # Before it, here with network, once: bash tools/gpu_check.sh --fetch-wheels   (fills .whl/, about 2.8 MB)
 #
 # Issue 37: quantkit on a GPU (the Triton kernels, the engine's Triton backend, quantize --device cuda) in ONE call
@@ -22,9 +26,11 @@
 #              tokens): the packed matmul and RMSNorm kernels as the engine calls them on CUDA; GPTQ W4 --device cuda
 #   kernels    pytest tests/runtime/kernels on the GPU (-n 8 --timeout 120 where xdist and pytest-timeout exist)
 #   bench      benchmarks/bench_kernels.py on 7B shapes (paged attention at context 4096, batch 16 is the goal
-#              figure) W4 g128 (also inside CUDA graphs: no launch cost) and W8 per-channel, and a block-size sweep of the W4 matmul per M bucket
+#              figure) W4 g128 (also inside CUDA graphs: no launch cost) and W8 per-channel, and a block-size
+#              sweep of the W4 matmul per M bucket
 #   parity     the engine (Triton, float16) against HF transformers on the float 135M-shape model: logits
-#   build7b    a random Llama-2-7B-shape float16 model drawn on the GPU
+#   build7b    a random float16 model of Llama-2-7B's widths drawn on the GPU, 16 blocks (GPU_CHECK_DECODE_LAYERS:
+#              RTN of all 32 took ~6 s a block there, too long for one call beside the other steps)
 #   rtn7b      quantize --method rtn W4 g128 --device cuda of it
 #   decode7b   decode tokens/s at batch 1, 16, 64 (each warmed up first) against the bandwidth roofline, the
 #              engine's stage profile and the GPU-kernel share of a decode step; then the 7B files are deleted
@@ -74,7 +80,7 @@ configure() {
   export PYTHONUNBUFFERED=1 QUANTKIT_CACHE=$WORK/cache HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
   case ":${PYTHONPATH:-}:" in *":$SITE:"*) ;; *) export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH} ;; esac
   if [ "$DRY" = 1 ]; then
-    SMALL=tiny; BIG=tiny; SMALL_GROUP=32; BIG_GROUP=32; DEVICE=cpu; MODEL_DTYPE=float32; ENGINE_DTYPE=float32
+    SMALL=tiny; BIG=tiny; BIG_LAYERS=; SMALL_GROUP=32; BIG_GROUP=32; DEVICE=cpu; MODEL_DTYPE=float32; ENGINE_DTYPE=float32
     PARITY_DTYPE=float32; BATCHES="1 2"; TOKENS=8; PROMPTS=2; SMALL_CAL="--num-samples 4 --seq-len 64"
     GPTQ_CAL="--num-samples 4 --seq-len 64"; GPTQ_LAYERS=3; KERNEL_TESTS=tests/runtime/kernels/test_selfcheck.py
     export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -83,6 +89,9 @@ configure() {
     ENGINE_DTYPE=bfloat16; PARITY_DTYPE=float16; BATCHES="1 16 64"; TOKENS=32; PROMPTS=8
     SMALL_CAL="--num-samples 16 --seq-len 128"; GPTQ_CAL="--num-samples 128 --seq-len 512"; GPTQ_LAYERS=8
     KERNEL_TESTS=tests/runtime/kernels; unset TRITON_INTERPRET
+    # the decode model: Llama-2-7B's widths with fewer blocks, so build, RTN and decode fit one call beside the
+    # other steps (the roofline counts the checkpoint's own bytes, so the fraction stays comparable)
+    BIG_LAYERS=${GPU_CHECK_DECODE_LAYERS:-16}
   fi
   SMALL_DIR=$WORK/models/$SMALL
   BIG_DIR=$WORK/models/$BIG
@@ -174,7 +183,7 @@ step_parity() {
 
 step_build7b() {
   py -m tools.gpu_check timed "$RESULTS/build7b/build.json" --size "$BIG_DIR" -- "$PYTHON" -m tools.random_model \
-    "$BIG" "$BIG_DIR" --dtype "$MODEL_DTYPE" --device "$DEVICE" --seed 1 --shard-mb 2000
+    "$BIG" "$BIG_DIR" --dtype "$MODEL_DTYPE" --device "$DEVICE" --seed 1 --shard-mb 2000 ${BIG_LAYERS:+--layers $BIG_LAYERS}
 }
 
 step_rtn7b() {

@@ -54,6 +54,8 @@ def main() -> None:
     parser.add_argument("runs", nargs="+", help="LABEL=EVAL.json, the output of `quantkit eval --behaviour --json`")
     parser.add_argument("--record", help="record the table as benchmarks/results/NAME.json")
     parser.add_argument("--note", action="append", default=[], help="a note under the table (repeatable)")
+    parser.add_argument("--title", default="Behaviour: greedy replies to the shipped chat prompts")
+    parser.add_argument("--order", type=int, default=27, help="the recorded table's place in docs/benchmarks.md")
     args = parser.parse_args()
     runs, names = [], []
     for spec in args.runs:
@@ -68,8 +70,8 @@ def main() -> None:
         reference = runs[0][1]["reference"]
         record_table(
             args.record,
-            title="Behaviour: greedy replies to the shipped chat prompts",
-            order=27,
+            title=args.title,
+            order=args.order,
             protocol=(
                 f"`quantkit eval CKPT --reference {reference} --behaviour --json CKPT.json` per checkpoint: "
                 f"{behaviour['prompts']} chat prompts on held-out Persuasion passages, greedy, at most "
@@ -80,7 +82,8 @@ def main() -> None:
             columns=COLUMNS,
             rows=rows,
             notes=args.note,
-            command=f"python -m benchmarks.bench_behaviour {' '.join(names)} --record {args.record}",
+            command=f"python -m benchmarks.bench_behaviour {' '.join(names)} --record {args.record}"
+            + (f" --order {args.order} --title {shlex.quote(args.title)}" if args.order != 27 else ""),
         )
 
 

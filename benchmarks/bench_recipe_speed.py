@@ -55,9 +55,11 @@ def shared_calibration(recipes: dict[str, object], work: Path) -> Path:
 
 def what_recipe_does(recipe: object) -> str:
     q = recipe.quantization  # type: ignore[attr-defined]
+    solvers = ", ".join(name for name, value in q.solvers.model_dump().items() if value is not None)
+    if q.plan is not None:
+        return f"plan {Path(q.plan).name}; {solvers}"
     scheme = q.quant_scheme()
     group = "per-channel" if scheme.group_size in (-1, None) else f"g{scheme.group_size}"
-    solvers = ", ".join(name for name, value in q.solvers.model_dump().items() if value is not None)
     return f"W{scheme.bits} {group}; {solvers}"
 
 

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     record_table(
         "gpu_kernels",
         title="GPU: the Triton kernels on 7B shapes, host-launched and inside a CUDA graph",
-        order=60,
+        order=65,
         protocol=(
             "benchmarks/bench_kernels.py --models llama7b --kernels matmul attention --batches 1 16 --prefill 256 "
             "--context 4096 --bits 4 --group-size 128, run twice in one call: with CUDA events around each call "
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     record_table(
         "gpu_check",
         title="GPU: quantkit on a lent GPU (the GPU check's goals)",
-        order=61,
+        order=66,
         protocol=(
             "bash tools/gpu_check.sh --budget 450 (one call: env, install, smoke, kernels, bench, parity, build7b, "
             "rtn7b, decode7b, gptq8), then install gptq8 in a second call on the same machine; random models of "

@@ -28,10 +28,11 @@ def main() -> None:
     from quantkit.recipes.stages import RecipeRun
 
     recipe = load_recipe(args.recipe, args.set)
-    if recipe.quantization.mixed is not None or recipe.quantization.plan is not None:
+    if recipe.quantization.mixed is not None:
         parser.error(f"{args.recipe}: a mixed-precision recipe plans before it quantizes; time it with `quantkit run`")
+    plan = None if recipe.quantization.plan is None else Path(recipe.quantization.plan)  # a shipped plan file
     start = time.perf_counter()
-    config = quantize_config(RecipeRun(recipe, None, show_progress=False), args.calib, None)
+    config = quantize_config(RecipeRun(recipe, None, show_progress=False), args.calib, plan)
     result = quantize_model(recipe.model, config, args.output)
     if args.summary is not None:
         summary = {"seconds": time.perf_counter() - start, "peak_rss_mb": result.peak_rss_mb}

@@ -334,7 +334,24 @@ def load_recipe(path: Path | str, overrides: list[str] | None = None) -> Recipe:
     path = Path(path)
     if not path.is_file():
         raise RecipeError(f"recipe file '{path}' not found; create one with `quantkit recipe new -o {path}`")
-    return recipe_from_text(path.read_text(), str(path), overrides)
+    return _with_plan_found(recipe_from_text(path.read_text(), str(path), overrides), path)
+
+
+def _with_plan_found(recipe: Recipe, path: Path) -> Recipe:
+    """A relative ``plan`` is read beside the recipe file (a shipped recipe names its shipped plan), else from the
+    current directory (as before); a plan found in neither is refused before any stage runs."""
+    plan = recipe.quantization.plan
+    if plan is None:
+        return recipe
+    candidates = [Path(plan)] if Path(plan).is_absolute() else [path.parent / plan, Path(plan)]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise RecipeError(
+            f"quantization.plan: plan file '{plan}' not found (a relative path is read beside the recipe, in "
+            f"'{path.parent}', then in the current directory); write one with `quantkit plan MEASUREMENT -o {plan}`"
+        )
+    quantization = recipe.quantization.model_copy(update={"plan": str(found)})
+    return recipe.model_copy(update={"quantization": quantization})
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -595,3 +595,40 @@ def test_device_is_checked_for_its_form_only_and_the_run_checks_the_machine(monk
         preflight(recipe)
     message = _error(BASE + "device: cpu\n", ["device=tpu"])
     assert message == "r.yaml (--set device=tpu): device: 'tpu' is invalid; use one of auto, cpu, cuda (or cuda:N)"
+
+
+def _recipe_with_plan(plan: str) -> str:
+    return f"model: smollm2-135m\nquantization:\n  plan: {plan}\noutput: {{directory: out}}\n"
+
+
+def test_a_relative_plan_is_read_beside_the_recipe_before_the_current_directory(tmp_path, monkeypatch):
+    recipes = tmp_path / "recipes"
+    (recipes / "plans").mkdir(parents=True)
+    (recipes / "plans" / "p.yaml").write_text("beside the recipe\n")
+    (tmp_path / "plans").mkdir()
+    (tmp_path / "plans" / "p.yaml").write_text("in the current directory\n")
+    (recipes / "r.yaml").write_text(_recipe_with_plan("plans/p.yaml"))
+    monkeypatch.chdir(tmp_path)
+    assert load_recipe("recipes/r.yaml").quantization.plan == str(Path("recipes/plans/p.yaml"))
+    (recipes / "plans" / "p.yaml").unlink()  # as before this rule: a path from the current directory still works
+    assert load_recipe("recipes/r.yaml").quantization.plan == "plans/p.yaml"
+
+
+def test_a_missing_plan_is_refused_at_load_naming_where_it_looked_and_the_fix(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "r.yaml").write_text(_recipe_with_plan("nowhere.yaml"))
+    with pytest.raises(RecipeError, match=r"plan file 'nowhere\.yaml' not found .*quantkit plan MEASUREMENT"):
+        load_recipe(tmp_path / "r.yaml")
+
+
+def test_the_shipped_w4_size_plan_covers_every_smollm2_linear_and_fits_the_recipes_size_gate():
+    from quantkit.mixed.plan_file import load_plan
+
+    recipe = load_recipe(REPO / "recipes" / "best-at-w4-size.yaml")
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    modules = [f"model.layers.{i}.self_attn.{p}" for i in range(30) for p in projections]
+    modules += [f"model.layers.{i}.mlp.{p}" for i in range(30) for p in ("gate_proj", "up_proj", "down_proj")]
+    plan = load_plan(Path(recipe.quantization.plan), known_modules=modules)
+    assert plan.model == "smollm2-135m" and plan.unmatched == [] and len(plan.assignment) == 210
+    assert plan.outer["untied_head"] and "rotation" in recipe.quantization.solvers.model_dump(exclude_none=True)
+    assert plan.budget["max_size_mb"] <= recipe.gates.max_checkpoint_mb

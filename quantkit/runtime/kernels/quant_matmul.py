@@ -154,7 +154,6 @@ def _group_uniform(block_k: int, group: int, k: int, has_gidx: bool) -> bool:
     return not has_gidx and (group >= k or group % block_k == 0)
 
 
-@functools.lru_cache(maxsize=1024)  # one entry per (shape, layout): the launch path stays cheap
 def default_config(
     m: int, n: int, k: int, bits: int, group: int, has_gidx: bool, device: torch.device
 ) -> QuantMatmulConfig:

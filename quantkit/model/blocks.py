@@ -8,12 +8,14 @@ mini-batches, so memory holds one block's weights and two activation buffers.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from quantkit.model.architectures import ArchSpec
+from quantkit.model.precision import forward_precision
 
 BlockForward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (block, hidden [B,T,H]) -> [B,T,H]
 
@@ -44,10 +46,18 @@ class BlockRunner:
     attn_path: str = "self_attn"
     causal_mask: bool = False  # pass a causal mask to every layer (ArchSpec.explicit_causal_mask: gpt_oss)
     mixer_paths: tuple[str, ...] = ()  # a hybrid model's token mixers (ArchSpec.mixers): each layer holds one of them
+    # the products of the staged passes and of :meth:`run` (quantkit.model.precision); tuning's stay float32
+    compute_dtype: torch.dtype = torch.float32
 
     @classmethod
     def for_model(
-        cls, model: nn.Module, arch: ArchSpec, seq_len: int, batch_size: int = 8, device: torch.device | None = None
+        cls,
+        model: nn.Module,
+        arch: ArchSpec,
+        seq_len: int,
+        batch_size: int = 8,
+        device: torch.device | None = None,
+        compute_dtype: torch.dtype = torch.float32,
     ) -> BlockRunner:
         """The rotary tables computed where the model's rotary module lives, kept on ``device`` (None: there)."""
         rotary = get_module(model, arch.rotary_path)
@@ -63,7 +73,11 @@ class BlockRunner:
         by_type = {name: table(name) for name in layer_types}
         default = by_type[layer_types[0]] if layer_types else table()
         mixers = tuple(mixer.attn_path for mixer in arch.mixers)
-        return cls(default, batch_size, by_type, arch.attn_path, arch.explicit_causal_mask, mixers)
+        return cls(default, batch_size, by_type, arch.attn_path, arch.explicit_causal_mask, mixers, compute_dtype)
+
+    def precision(self) -> AbstractContextManager[object]:
+        """The context the staged passes compute their products in (:mod:`quantkit.model.precision`)."""
+        return forward_precision(self.compute_dtype, self.position_embeddings[0].device)
 
     def attention_inputs(self, block: nn.Module, seq_len: int) -> dict[str, object]:
         """``position_embeddings`` and ``attention_mask`` for ``block``'s attention on windows of ``seq_len``."""
@@ -99,7 +113,7 @@ class BlockRunner:
     def run(self, block: nn.Module, hidden: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The block over all samples, mini-batch by mini-batch; output in ``out_dtype`` (default: input's)."""
         out = torch.empty(hidden.shape, dtype=out_dtype or hidden.dtype, device=hidden.device)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.precision():
             for start in range(0, hidden.shape[0], self.batch_size):
                 stop = start + self.batch_size
                 out[start:stop] = self(block, hidden[start:stop]).to(out.dtype)

@@ -34,6 +34,7 @@ from torch.nn import functional
 
 from quantkit.model.architectures import DOWN, GATE_UP, O_PROJ, QKV, ArchSpec, Stage
 from quantkit.model.blocks import BlockRunner, get_module, set_module
+from quantkit.model.precision import products_autocast
 from quantkit.model.staged_moe import ALL, ROUTED, ExpertInputs, expert_stage
 
 
@@ -111,7 +112,9 @@ class StagedBlock:
             producer = producers[stage]
         with torch.inference_mode():
             for rows in self.batches():
-                yield producer(rows)
+                with self.runner.precision():  # not across the yield: autocast is the caller's state too
+                    inputs = producer(rows)
+                yield inputs.float()  # a bfloat16 product (o_proj's inputs from attention) in float32
         self._mlp_scratch = None
 
     def residual_in(self, stage: str, rows: slice) -> torch.Tensor | None:
@@ -133,7 +136,7 @@ class StagedBlock:
         out, self._residual = self._residual, None
         if self._spill_complete():
             return self._output_from_spill(out)
-        with torch.inference_mode():
+        with torch.inference_mode(), self.runner.precision():
             for rows in self.batches():
                 h2 = out[rows].float()
                 mlp = self.mlp(self.norm2(h2))
@@ -155,7 +158,7 @@ class StagedBlock:
         assert self.spill is not None
         down = get_module(self.block, self.arch.stage(DOWN).head)
         self._spilled_batches = 0
-        with torch.inference_mode():
+        with torch.inference_mode(), self.runner.precision():
             for rows, a in zip(self.batches(), self.spill.read_back(), strict=True):
                 out[rows] = (out[rows].float() + self.mlp_out_norm(down(a))).to(out.dtype)
         return out
@@ -288,8 +291,11 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
 
 
 def _linear_into(out: torch.Tensor, x: torch.Tensor, linear: nn.Linear) -> None:
-    """``out = linear(x)`` for 2-D ``x``, written into ``out`` (the same product ``nn.Linear`` computes)."""
-    if linear.bias is None:
+    """``out = linear(x)`` for 2-D ``x``, written into ``out`` (the same product ``nn.Linear`` computes; under
+    a lower-precision autocast, that precision's product: an ``out=`` product would not be autocast)."""
+    if products_autocast(x.device):
+        out.copy_(linear(x))
+    elif linear.bias is None:
         torch.mm(x, linear.weight.T, out=out)
     else:
         torch.addmm(linear.bias, x, linear.weight.T, out=out)

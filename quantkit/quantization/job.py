@@ -14,6 +14,7 @@ import torch
 
 from quantkit.data.calibration import CalibrationSet
 from quantkit.model.architectures import ArchSpec
+from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE
 from quantkit.model.source_weights import SourceWeights, config_json
 from quantkit.quantization.assignment import (
     SchemeAssignment,
@@ -96,7 +97,7 @@ def run_fingerprints(
 def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> str:
     """A hash of everything that decides the solved weights: every algorithm with every option (the job's
     canonical list), each linear's scheme, the mini-batch size (it orders the sums), how static input scales are
-    calibrated and the KV cache scheme."""
+    calibrated, the KV cache scheme and the forward passes' precision."""
     spec = {
         "format": FINGERPRINT_FORMAT,
         "solvers": config.steps.canonical(),
@@ -107,4 +108,6 @@ def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> s
     }
     if config.moe_calibration != "all":  # the default leaves every fingerprint as it was before the option
         spec["moe_calibration"] = config.moe_calibration
+    if config.compute_dtype != DEFAULT_COMPUTE_DTYPE:  # the same: the default adds nothing
+        spec["compute_dtype"] = config.compute_dtype
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]

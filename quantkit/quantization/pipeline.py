@@ -28,6 +28,7 @@ from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
 from quantkit.memory import peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
+from quantkit.model.precision import compute_dtype
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.progress import Interrupted
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
@@ -263,7 +264,8 @@ def _run_blocks(
         load_dtype = torch.float32
         seq_len, batch_size = job.calibration.seq_len, job.config.batch_size
         run.sample_every = sample_stride(job.calibration.input_ids.numel(), run.input_observer)
-        run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device=device)
+        precision = compute_dtype(job.config.compute_dtype)
+        run.runner = BlockRunner.for_model(skeleton, job.arch, seq_len, batch_size, device, precision)
         if ranks is not None:  # this rank's windows: rank 0 hands out the saved input, or each cuts its own
             hidden = _rank_input(job, work, finished, ranks, skeleton, device)
         else:

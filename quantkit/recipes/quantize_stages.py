@@ -43,6 +43,7 @@ def quantize_config(run: RecipeRun, calib_path: Path | None, plan_path: Path | N
         ignore=list(q.ignore),
         layout_policy=q.layout_policy,
         batch_size=q.batch_size,
+        compute_dtype=q.compute_dtype,
         export_formats=run.recipe.output.export_formats(),
         planned=None if plan_path is None else planned_schemes(plan_path, run.recipe.model),
         force=True,

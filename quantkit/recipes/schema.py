@@ -29,6 +29,7 @@ from quantkit.mixed.measurement import MODES, CandidateName, outer_spelling
 from quantkit.mixed.outer_units import check_outer_candidates
 from quantkit.mixed.sensitivity import SensitivityConfig
 from quantkit.mixed.whole_plan import AUTO
+from quantkit.model.precision import COMPUTE_DTYPES
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import DEFAULT_METHOD, JobSteps, resolve_scheme
 from quantkit.recipes.legacy import upgrade_flat_keys
@@ -70,6 +71,7 @@ def _outer_choice(value: str) -> str:
 
 OuterChoice = Annotated[str, AfterValidator(_outer_choice)]  # a head/embedding scheme (none: float), or auto
 LayoutPolicy = one_of(LAYOUT_POLICIES)
+ComputeDtype = one_of(tuple(COMPUTE_DTYPES))
 Preset = one_of(PRESETS)
 SolversSection = solvers_model()
 OutputFormat = one_of(OUTPUT_FORMATS)
@@ -155,6 +157,7 @@ class QuantizationSection(FileModel):
     ignore: list[Regex] = Field(default_factory=list)
     layout_policy: LayoutPolicy = QuantizeConfig.layout_policy  # layouts engines refuse: strict/fallback/...
     batch_size: int = Field(QuantizeConfig.batch_size, ge=1)  # calibration windows per forward pass
+    compute_dtype: ComputeDtype = QuantizeConfig.compute_dtype  # the forward passes' products (model/precision.py)
     mixed: MixedSection | None = None  # a per-unit plan under a bit budget, instead of one scheme
     plan: str | None = None  # an existing plan YAML (quantkit plan), instead of one scheme
 

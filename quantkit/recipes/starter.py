@@ -46,6 +46,7 @@ quantization:
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
   layout_policy: @layout@      # fallback (a smaller group where one does not divide) | strict (stop) | quantkit-only
   batch_size: @batch_size@     # calibration windows per forward pass
+  compute_dtype: @compute@     # the forward passes' products: float32 | bfloat16 (faster where the CPU has AVX512-BF16)
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
   # mixed:
   #   target_bits: 4.5         # or max_size_mb: 60
@@ -96,6 +97,7 @@ _DEFAULTS = {  # written in the configs that use them
     "block_size": parse_method(DEFAULT_METHOD)[0].block_size,
     "layout": QuantizeConfig.layout_policy,
     "batch_size": QuantizeConfig.batch_size,
+    "compute": QuantizeConfig.compute_dtype,
     "device": DEFAULT_DEVICE,
     "eval_windows": DEFAULT_EVAL_WINDOWS,
 }

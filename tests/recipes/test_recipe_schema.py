@@ -126,6 +126,9 @@ def test_set_overrides_are_typed_and_validated():
     message = _error(BASE, ["quantization.scheme.bitz=8"])
     assert "(--set quantization.scheme.bitz=8)" in message and "did you mean 'bits'" in message
     assert "expected one of 2, 3, 4, 8" in _error(BASE, ["quantization.scheme.bits=5"])
+    assert "expected one of float32, bfloat16" in _error(BASE, ["quantization.compute_dtype=float16"])
+    bf16 = recipe_from_text(BASE, "r.yaml", ["quantization.compute_dtype=bfloat16"])
+    assert bf16.quantization.compute_dtype == "bfloat16"
     assert "KEY.PATH=VALUE" in _error(BASE, ["nonsense"])
 
 
@@ -621,10 +624,13 @@ def test_a_missing_plan_is_refused_at_load_naming_where_it_looked_and_the_fix(tm
         load_recipe(tmp_path / "r.yaml")
 
 
-def test_the_shipped_w4_size_plan_covers_every_smollm2_linear_and_fits_the_recipes_size_gate():
+@pytest.mark.parametrize("size", ["w4", "w3"])
+def test_the_shipped_size_plans_cover_every_smollm2_linear_and_fit_their_recipes_size_gate(size: str) -> None:
     from quantkit.mixed.plan_file import load_plan
 
-    recipe = load_recipe(REPO / "recipes" / "best-at-w4-size.yaml")
+    recipe = load_recipe(REPO / "recipes" / f"best-at-{size}-size.yaml")
+    assert recipe.quantization.plan == str(REPO / "recipes" / "plans" / f"smollm2-135m-{size}-size.yaml")
+    assert recipe.quantization.compute_dtype == "bfloat16"  # measured indistinguishable from float32, and faster
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     modules = [f"model.layers.{i}.self_attn.{p}" for i in range(30) for p in projections]
     modules += [f"model.layers.{i}.mlp.{p}" for i in range(30) for p in ("gate_proj", "up_proj", "down_proj")]

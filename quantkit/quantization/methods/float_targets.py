@@ -88,7 +88,9 @@ class FloatPath:
             yield a
             h2 = self.staged.residual_in(DOWN, rows)
             assert h2 is not None
-            hidden[rows] = (h2.float() + self._down(a)).to(hidden.dtype)
+            with self.staged.runner.precision():
+                down = self._down(a)
+            hidden[rows] = (h2.float() + down).to(hidden.dtype)
         self._output_ready = True
 
     def output(self) -> torch.Tensor:
@@ -105,12 +107,17 @@ class FloatPath:
 class StageMoments:
     """What the float targets of one stage's linears need beyond its Hessian, summed over the calibration tokens.
 
-    Two ways to the same numbers, the cheaper one per stage: either ``cross = sum x x~^T`` [K, K] (shared by the
-    stage's linears) and, for a stage that writes the residual stream, ``residual = sum e x~^T`` [N, K], with
-    ``e = h~ - h`` the quantized stream's error where the stage's output is added; or, given the linears' float
-    weights, each linear's ``shift = sum (W (x - x~) - e) x~^T`` [N, K] directly. Per token the first costs
-    ``K^2`` (+ ``N K``), the second ``2 N K`` for each linear: for down_proj (K = intermediate size, N = hidden
-    size) the shift is cheaper, and it never subtracts two large sums (``C - H``) in float32.
+    Two ways to the same numbers, the cheaper one per stage: either ``gap = sum (x - x~) x~^T`` [K, K] (shared by
+    the stage's linears; it is ``C - H``, summed from the differences so that no two large sums are subtracted)
+    and, for a stage that writes the residual stream, ``residual = sum e x~^T`` [N, K], with ``e = h~ - h`` the
+    quantized stream's error where the stage's output is added; or, given the linears' float weights, each
+    linear's ``shift = sum (W (x - x~) - e) x~^T`` [N, K] directly. Per token the first costs ``K^2`` (+ ``N K``),
+    the second ``2 N K`` for each linear: for down_proj (K = intermediate size, N = hidden size) the shift is
+    cheaper.
+
+    ``product_dtype`` bfloat16 (``--compute-dtype bfloat16``): each mini-batch's products are taken in bfloat16 and
+    added to the float32 sums. Every product has a difference as a factor, so bfloat16's rounding is relative to
+    the moment itself, not to the activations it is the small difference of.
     """
 
     def __init__(
@@ -119,10 +126,12 @@ class StageMoments:
         device: torch.device,
         weights: dict[str, torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
+        product_dtype: torch.dtype | None = None,
     ) -> None:
         self.weights = weights  # name -> float weight [N, K]: accumulate shifts (see the class docstring)
         self.dtype, self.k, self.device = dtype, k, device  # of the sums
-        self.cross: torch.Tensor | None = None
+        self.product_dtype = product_dtype or dtype
+        self.gap: torch.Tensor | None = None
         self.residual: torch.Tensor | None = None
         self.shifts: dict[str, torch.Tensor] = {}
         self._fresh()
@@ -134,7 +143,7 @@ class StageMoments:
 
     def _fresh(self) -> None:
         """Zero sums (the residual's is made at its first use: only a stage that writes the stream has one)."""
-        self.cross = None if self.weights is not None else self._zeros(self.k)
+        self.gap = None if self.weights is not None else self._zeros(self.k)
         self.residual = None
         self.shifts = {n: self._zeros(w.shape[0]) for n, w in (self.weights or {}).items()}
 
@@ -142,8 +151,8 @@ class StageMoments:
         """The sums so far, by name; later tokens are summed into fresh buffers (the block loop adds the chunks up
         in the Hessians' fixed order)."""
         out = {f"shift:{name}": shift for name, shift in self.shifts.items()}
-        if self.cross is not None:
-            out["cross"] = self.cross
+        if self.gap is not None:
+            out["gap"] = self.gap
         if self.residual is not None:
             out["residual"] = self.residual
         self._fresh()
@@ -151,7 +160,7 @@ class StageMoments:
 
     def put_totals(self, totals: dict[str, torch.Tensor], count: int) -> None:
         """Replace the sums by ``totals`` (:meth:`take_chunk`'s names), over ``count`` token rows."""
-        self.cross, self.residual = totals.get("cross"), totals.get("residual")
+        self.gap, self.residual = totals.get("gap"), totals.get("residual")
         self.shifts = {name.removeprefix("shift:"): v for name, v in totals.items() if name.startswith("shift:")}
         self.count = count
 
@@ -159,24 +168,33 @@ class StageMoments:
     def direct_is_cheaper(k: int, out_features: list[int]) -> bool:
         return 2 * sum(out_features) < k
 
+    def _add_product(self, total: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+        """``total += left^T right``, the product in ``product_dtype`` (``right`` is already in it)."""
+        if self.product_dtype == total.dtype:
+            total.addmm_(left.T, right)
+        else:
+            total.add_(left.T.to(self.product_dtype) @ right)
+
     def add(self, float_inputs: torch.Tensor, inputs: torch.Tensor, residual_error: torch.Tensor | None = None) -> None:
         k, dtype = inputs.shape[-1], self.dtype
         x = inputs.reshape(-1, k).to(dtype)
         e = None if residual_error is None else residual_error.reshape(x.shape[0], -1).to(dtype)
+        delta = float_inputs.reshape(-1, k).to(dtype) - x  # x - x~
+        x_product = x.to(self.product_dtype)
         if self.weights is not None:
-            delta = float_inputs.reshape(-1, k).to(dtype) - x
+            delta_product = delta.to(self.product_dtype)
             for name, weight in self.weights.items():
-                target_gap = delta @ weight.T.to(dtype)  # W (x - x~): [tokens, N]
+                target_gap = (delta_product @ weight.T.to(self.product_dtype)).to(dtype)  # W (x - x~): [tokens, N]
                 if e is not None:
                     target_gap -= e
-                self.shifts[name].addmm_(target_gap.T, x)
+                self._add_product(self.shifts[name], target_gap, x_product)
         else:
-            assert self.cross is not None
-            self.cross.addmm_(float_inputs.reshape(-1, k).to(dtype).T, x)
+            assert self.gap is not None
+            self._add_product(self.gap, delta, x_product)
             if e is not None:
                 if self.residual is None:
                     self.residual = self._zeros(e.shape[1])
-                self.residual.addmm_(e.T, x)
+                self._add_product(self.residual, e, x_product)
         self.count += x.shape[0]
 
     def normalise_(self) -> None:
@@ -185,19 +203,19 @@ class StageMoments:
         if self.count == 0:
             return
         scale = 2.0 / self.count
-        if self.cross is not None:
-            self.cross = self.cross * scale
+        if self.gap is not None:
+            self.gap = self.gap * scale
         if self.residual is not None:
             self.residual = self.residual * scale
         self.shifts = {name: shift * scale for name, shift in self.shifts.items()}
 
-    def shift(self, name: str, weight: torch.Tensor, hessian: torch.Tensor) -> torch.Tensor:
-        """float64 ``W (C - H) - E`` [N, K] of the linear ``name`` (float weight ``weight``), normalised as
-        ``hessian``."""
+    def shift(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """float64 ``W (C - H) - E`` [N, K] of the linear ``name`` (float weight ``weight``), normalised as GPTQ's
+        Hessian."""
         if name in self.shifts:
             return self.shifts[name].double()
-        assert self.cross is not None, f"no moments were kept for {name}"
-        out = weight.double() @ (self.cross.double() - hessian.double())
+        assert self.gap is not None, f"no moments were kept for {name}"
+        out = weight.double() @ self.gap.double()
         if self.residual is not None:
             out -= self.residual.double()
         return out
@@ -254,9 +272,11 @@ class FloatCompanion:
         linears = {name: get_module(staged.block, name) for name in stage.linears}
         if StageMoments.direct_is_cheaper(in_features, [linear.out_features for linear in linears.values()]):
             weights = {name: linear.weight for name, linear in linears.items()}
-            self.moments = StageMoments(in_features, staged.hidden.device, weights)
         else:
-            self.moments = StageMoments(in_features, staged.hidden.device)
+            weights = None
+        self.moments = StageMoments(
+            in_features, staged.hidden.device, weights, product_dtype=staged.runner.compute_dtype
+        )
         self.path.follow(staged)
         return self.path.stage_inputs(stage.name)
 
@@ -297,7 +317,7 @@ class _Hooks(Hooks):
         if stage_data.count == 0:  # no calibration row (an expert never routed to): round-to-nearest, as GPTQ does
             return job.weights
         return [
-            float_target(w, hessian, stage_data.shift(name, w, hessian), solver.damp)
+            float_target(w, hessian, stage_data.shift(name, w), solver.damp)
             for name, w in zip(job.names, job.weights, strict=True)
         ]
 

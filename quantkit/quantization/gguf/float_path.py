@@ -66,7 +66,7 @@ class FloatStream:
         """The weight GPTQ solves for the linear ``name`` (its float ``weight``) on the stage's ``hessian``."""
         if moments.count == 0:  # no calibration row: nothing to fit, the weight itself
             return weight
-        return float_target(weight, hessian, moments.shift(name, weight, hessian), self.damp)
+        return float_target(weight, hessian, moments.shift(name, weight), self.damp)
 
     def advance(self, companion: FloatCompanion) -> None:
         """After the block's last stage: its float output is the next block's float input."""

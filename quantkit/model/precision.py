@@ -3,7 +3,9 @@
 float32 computes every product of a block in float32. bfloat16 runs the products (the linears, attention) under
 autocast: inputs and weights rounded to bfloat16, accumulated in float32, as llm-compressor and GPTQModel run the
 model in its own dtype; on a CPU with AVX512-BF16 (or a GPU's tensor cores) those products are several times
-faster. Norms, residual adds and everything the solvers sum (Hessians, the float targets' moments) stay float32.
+faster. Norms, residual adds, GPTQ's Hessians and every sum stay float32; the float targets' moments are
+bfloat16 products of differences added to float32 sums (``StageMoments`` in
+:mod:`quantkit.quantization.methods.float_targets`).
 """
 
 from __future__ import annotations

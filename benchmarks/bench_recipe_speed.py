@@ -56,7 +56,9 @@ def shared_calibration(recipes: dict[str, object], work: Path) -> Path:
 def what_recipe_does(recipe: object) -> str:
     q = recipe.quantization  # type: ignore[attr-defined]
     solvers = ", ".join(name for name, value in q.solvers.model_dump().items() if value is not None)
-    if q.compute_dtype != "float32":  # the forward passes' products (quantkit.model.precision)
+    from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE
+
+    if q.compute_dtype != DEFAULT_COMPUTE_DTYPE:  # the forward passes' products
         solvers += f"; {q.compute_dtype} forward passes"
     if q.plan is not None:
         return f"plan {Path(q.plan).name}; {solvers}"

@@ -197,6 +197,7 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
     # the KV cache's k/v scales belong to no Linear and are no source parameter
     consumed: set[str] = {key for key in infos if key.endswith(tuple("." + name for name in KV_SCALES))}
     shapes: list[LayerShape] = []
+    embedding: LayerShape | None = None
     schemes: dict[str, QuantScheme] = {}
     fallbacks = _layout_fallbacks(path)
     quant_bits = 0
@@ -208,7 +209,9 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
         schemes[scheme.name] = scheme
         layer = LayerReport(prefix, scheme.name, n, k, bits / (n * k), fallbacks.get(prefix, ""), bits // 8)
         report.layers.append(layer)
-        if not prefix.endswith(EMBEDDING_LEAF):  # a lookup, not a matmul: engines' Linear kernels do not apply
+        if prefix.endswith(EMBEDDING_LEAF):  # a lookup, not a matmul: the engines' embedding rules apply
+            embedding = LayerShape(prefix, scheme, n, k)
+        else:
             shapes.append(LayerShape(prefix, scheme, n, k))
         report.quantized_params += n * k
         report.quantized_bytes += layer.bytes
@@ -216,7 +219,7 @@ def inspect_checkpoint(path: Path, reference: Path | None = None) -> CheckpointR
 
     report.groups = scheme_groups(report.layers, schemes)
 
-    report.loads_in = loads_in(shapes, layout.kv_cache)
+    report.loads_in = loads_in(shapes, layout.kv_cache, embedding)
     other = sum(info.numel for key, info in infos.items() if key not in consumed)
     report.total_params = report.quantized_params + other
     report.avg_bits_per_weight = quant_bits / report.quantized_params if report.quantized_params else 0.0

@@ -14,7 +14,7 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.kv_cache import KV_SCALES, add_kv_scale_buffers, use_fp8_cache
-from quantkit.format.quant_embedding import QuantEmbedding
+from quantkit.format.quant_embedding import QuantEmbedding, densify_embeddings
 from quantkit.format.quant_linear import QuantLinear
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
 from quantkit.format.scheme import QuantScheme
@@ -45,6 +45,8 @@ def replace_linears(
             continue
         parent_name, _, leaf = name.rpartition(".")
         if isinstance(module, nn.Embedding):
+            if scheme.unpacked:
+                continue  # stays an Embedding: its int8 codes are dequantized into its weight when loaded
             setattr(model.get_submodule(parent_name), leaf, _quant_embedding(name, module, scheme, scale_dtypes))
             count += 1
             continue
@@ -180,6 +182,7 @@ def load_quantized_model(
         raise QuantkitError(f"{path} names a kv_cache_scheme in its quantization_config but stores no k_scale/v_scale")
 
     state = _load_tensors(files, dtype)
+    densify_embeddings(model, layout, state, unpacked_only=True)
     expected = set(model.state_dict().keys())
     tied = _tied_targets(model, expected, state)
     _check_keys(expected, state, tied, path)

@@ -20,6 +20,7 @@ from quantkit.format.engines import (
 )
 from quantkit.format.float_engines import CAPABILITIES, CAPABILITY_NAMES, HOPPER, merged_ahead
 from quantkit.format.moe_engines import vllm_moe_kernel
+from quantkit.format.outer_engines import transformers_embedding, vllm_embedding
 from quantkit.format.scheme import KVCacheScheme, QuantScheme
 
 
@@ -70,23 +71,34 @@ _ENGINES: dict[str, Callable[[LayerShape], Support]] = {
 }
 
 
-def loads_in(layers: list[LayerShape], kv_cache: KVCacheScheme | None = None) -> list[EngineVerdict]:
+def loads_in(
+    layers: list[LayerShape], kv_cache: KVCacheScheme | None = None, embedding: LayerShape | None = None
+) -> list[EngineVerdict]:
     """One verdict per engine over all quantized layers; with an FP8 KV cache, vLLM's verdicts name the attention
-    backend that keeps it too (and refuse where none does)."""
+    backend that keeps it too (and refuse where none does); with a quantized embedding, transformers' and vLLM's
+    verdicts take its rule (:mod:`quantkit.format.outer_engines`) too."""
     verdicts = [_verdict(engine, judge, layers) for engine, judge in _ENGINES.items()]
+    vllm = [(v, c) for c in CAPABILITIES for v in verdicts if v.engine == vllm_engine(c)]
     if kv_cache is not None:
-        for verdict, capability in ((v, c) for c in CAPABILITIES for v in verdicts if v.engine == vllm_engine(c)):
-            _add_kv_cache(verdict, kv_cache_support(kv_cache, capability))
+        for verdict, capability in vllm:
+            _add_outer(verdict, kv_cache_support(kv_cache, capability), "kv_cache", "KV cache")
+    if embedding is not None:
+        for verdict in verdicts:
+            if verdict.engine == "transformers":
+                _add_outer(verdict, transformers_embedding(embedding.scheme), embedding.name, "embedding")
+        for verdict, _ in vllm:
+            _add_outer(verdict, vllm_embedding(embedding.scheme), embedding.name, "embedding")
     return verdicts
 
 
-def _add_kv_cache(verdict: EngineVerdict, support: Support) -> None:
+def _add_outer(verdict: EngineVerdict, support: Support, key: str, what: str) -> None:
+    """A verdict on a part that is no Linear layer (the KV cache, the embedding) added to the engine's."""
     if support.loads:
-        verdict.summary += f"; KV cache: {support.kernel}"
+        verdict.summary += f"; {what}: {support.kernel.removeprefix(what + ': ')}"
     else:
         verdict.loads = False
-        verdict.summary += f"; KV cache refused ({support.reason})"
-    verdict.layers["kv_cache"] = support.label
+        verdict.summary += f"; {what} refused ({support.reason})"
+    verdict.layers[key] = support.label
 
 
 def _verdict(engine: str, judge: Callable[[LayerShape], Support], layers: list[LayerShape]) -> EngineVerdict:

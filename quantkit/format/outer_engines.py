@@ -15,9 +15,13 @@ Sources (read 2026-11):
   symmetric INT weights per channel or in groups (anything else: "compressed-tensors embeddings only support
   weight-only INT group/channel (WNA16) quantization"), and that method does lookups only (its ``apply`` raises).
   With tied embeddings vLLM's head *is* the embedding module, so a tied head cannot be quantized.
-- transformers 5.22 does not load a quantized embedding: ``PreTrainedModel._init_weights`` reads an Embedding's
+- transformers 5.22 does not load a packed embedding: ``PreTrainedModel._init_weights`` reads an Embedding's
   ``weight`` unguarded (it guards a Linear's), and compressed-tensors has replaced it by ``weight_packed`` /
   ``weight_scale`` (tests/quantization/test_embed_quant.py asserts the error, so a release that loads it shows).
+  It loads an unpacked one: a config group whose ``format`` is ``naive-quantized`` (compressed-tensors 0.20 takes a
+  group's own format over the one it infers) keeps ``weight`` itself, as int8 codes, beside ``weight_scale``, and
+  compressed-tensors dequantizes it (tests/quantization/test_embed_layout.py compares the logits). vLLM's embedding
+  method registers ``weight_packed`` whatever the group's format, so it cannot read the unpacked one.
 - quantkit's loader and runtime load a quantized head (a Linear) and a quantized plain embedding (dequantized once).
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from quantkit.format.engines import Support
 from quantkit.format.scheme import QuantScheme
 
 HEAD, EMBEDDING = "lm_head", "embed_tokens"
@@ -42,15 +47,19 @@ RULES: tuple[OuterRule, ...] = (
     OuterRule(HEAD, "vLLM (main, late 2026)", "any Linear scheme (ParallelLMHead through the Linear method)"),
     OuterRule(HEAD, "quantkit loader and runtime", "any Linear scheme"),
     OuterRule(HEAD, "every engine, tied head", "no: the head is the embedding; untie it (--rotate hadamard) first"),
-    OuterRule(EMBEDDING, "compressed-tensors 0.20", "targeted by name (not by Linear)"),
+    OuterRule(EMBEDDING, "compressed-tensors 0.20", "targeted by name (not by Linear); a group may set its format"),
     OuterRule(
         EMBEDDING,
         "transformers 5.22",
-        "no: its weight init reads embed_tokens.weight, which compressed-tensors "
-        "replaced by packed tensors (AttributeError at load)",
+        "unpacked int8 (--embedding-layout unpacked: naive-quantized, int8 codes as embed_tokens.weight); not "
+        "packed: its weight init reads embed_tokens.weight, which packing replaces (AttributeError at load)",
     ),
-    OuterRule(EMBEDDING, "vLLM (main, late 2026)", "symmetric INT, per channel or grouped, weight-only (lookup)"),
-    OuterRule(EMBEDDING, "quantkit loader and runtime", "symmetric INT (dequantized once at load)"),
+    OuterRule(
+        EMBEDDING,
+        "vLLM (main, late 2026)",
+        "packed symmetric INT, per channel or grouped, weight-only (lookup); not unpacked",
+    ),
+    OuterRule(EMBEDDING, "quantkit loader and runtime", "symmetric INT, packed or unpacked (dequantized once at load)"),
 )
 
 
@@ -62,10 +71,30 @@ def head_problem(scheme: QuantScheme, tied: bool) -> str | None:
 
 
 def embedding_problem(scheme: QuantScheme) -> str | None:
-    """Why vLLM refuses this quantized embedding; None when it loads (quantkit's own loader refuses any)."""
+    """Why no engine beyond quantkit loads this quantized embedding; None when vLLM (packed) or transformers
+    (unpacked int8) does."""
+    if scheme.unpacked:
+        return None  # QuantScheme admits unpacked codes for symmetric int8 weights only: transformers loads them
     if scheme.is_float or not scheme.symmetric or scheme.activations is not None or scheme.group_size == 0:
         return "vLLM quantizes embeddings as symmetric INT weights per channel or in groups only"
     return None
+
+
+def transformers_embedding(scheme: QuantScheme) -> Support:
+    """transformers 5.22's verdict on a quantized embedding (``inspect``'s "Loads in" table)."""
+    if scheme.unpacked:
+        return Support("embedding: unpacked int8")
+    return Support(
+        None, "a packed embedding (transformers 5.22 loads an unpacked int8 one: --embedding-layout unpacked)"
+    )
+
+
+def vllm_embedding(scheme: QuantScheme) -> Support:
+    """vLLM main's verdict on a quantized embedding (``inspect``'s "Loads in" table)."""
+    if scheme.unpacked:
+        return Support(None, "unpacked; vLLM reads embed_tokens.weight_packed")
+    problem = embedding_problem(scheme)
+    return Support("embedding lookup") if problem is None else Support(None, problem)
 
 
 def outer_markdown() -> str:

@@ -3,23 +3,46 @@
 
 vLLM dequantizes only the rows it gathers; quantkit's loader and runtime are for evaluation and CPU serving of
 small models, where one dense table is the simple and fast choice. :func:`dense_embedding` gives that table from
-checkpoint tensors (the runtime's path)."""
+checkpoint tensors (the runtime's path, and the loader's for an unpacked table: int8 codes stored as ``weight``)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from quantkit.format.scheme import QuantScheme
-from quantkit.format.tensors import linear_parts, read_linear
+from quantkit.format.tensors import QUANTIZED_PARTS, SCALE, linear_parts, read_linear
+
+if TYPE_CHECKING:
+    from quantkit.format.quantization_config import QuantizationLayout
 
 
 def dense_embedding(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme, dtype: torch.dtype):
     """The dequantized [vocab, hidden] table of the quantized embedding ``prefix`` among ``tensors``."""
     return read_linear(tensors, prefix, scheme).dequantize(dtype)
+
+
+def densify_embeddings(
+    model: nn.Module, layout: QuantizationLayout, state: dict[str, torch.Tensor], *, unpacked_only: bool = False
+) -> None:
+    """Each quantized embedding's tensors in ``state`` replaced by its dense table, in the module's dtype (the
+    runtime looks rows up in one). ``unpacked_only``: only unpacked tables, whose int8 codes are named ``weight`` as
+    the module's own table is (quantkit's loader keeps a packed one in a QuantEmbedding)."""
+    for name, module in model.named_modules():
+        scheme = layout.scheme_for(name, ["Embedding"]) if isinstance(module, nn.Embedding) else None
+        if scheme is None or (unpacked_only and not scheme.unpacked):
+            continue
+        stored = state.get(f"{name}.weight")
+        if stored is not None and stored.is_floating_point():
+            continue  # a float table: nothing to dequantize
+        table = dense_embedding(state, name, scheme, module.weight.dtype).to(state[f"{name}.{SCALE}"].device)
+        for part in QUANTIZED_PARTS:
+            state.pop(f"{name}.{part}", None)
+        state[f"{name}.weight"] = table
 
 
 class QuantEmbedding(nn.Module):

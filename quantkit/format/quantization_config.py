@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.format.layouts import LAYOUTS, MIXED_PRECISION, layout_for
+from quantkit.format.layouts import LAYOUTS, MIXED_PRECISION, NAIVE_QUANTIZED, layout_for
 from quantkit.format.scheme import (
     ACTIVATION_STRATEGIES,
     FLOAT_BITS,
@@ -253,6 +253,13 @@ def _scheme_from_args(group: str, args: Mapping[str, Any], acts: ActivationSchem
         raise _unsupported(f"{group}: {exc}") from exc
 
 
+def _unpacked(group: str, scheme: QuantScheme) -> QuantScheme:
+    try:
+        return replace(scheme, unpacked=True)
+    except QuantkitError as exc:
+        raise _unsupported(f"{group} is naive-quantized: {exc}") from exc
+
+
 def _activations_from_args(group: str, args: Mapping[str, Any] | None) -> ActivationScheme | None:
     if not args:
         return None
@@ -314,6 +321,8 @@ def parse_quantization_config(cfg: Mapping[str, Any]) -> QuantizationLayout:
             raise _unsupported(f"{name} has no targets")
         acts = _activations_from_args(name, group.get("input_activations"))
         scheme = _scheme_from_args(name, group["weights"], acts)
+        if group.get("format") == NAIVE_QUANTIZED.format and not scheme.is_float and scheme.activations is None:
+            scheme = _unpacked(name, scheme)  # INT codes a byte each, as the group asks compressed-tensors to
         written = layout_for(scheme).format
         for declared in (group.get("format"), None if top_format == MIXED_PRECISION else top_format):
             if declared not in (None, written):

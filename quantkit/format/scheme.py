@@ -105,6 +105,9 @@ class QuantScheme:
     scale_format: str = "native"  # how scales are stored (SCALE_FORMATS)
     block: int = 0  # square tiles of this size, one scale each (FP8_BLOCK); 0: no tiles
     activations: ActivationScheme | None = None  # None: 16-bit activations (weight-only)
+    # int8 codes stored a byte each as ``weight`` itself (compressed-tensors' naive-quantized) instead of packed into
+    # int32 words: the only quantized embedding transformers 5.22 loads (quantkit.format.outer_engines)
+    unpacked: bool = False
 
     def __post_init__(self) -> None:
         if self.type not in TYPES:
@@ -133,6 +136,13 @@ class QuantScheme:
             raise QuantkitError(f"FP8 scales are NVFP4's: FP4 weights in groups of {NV_GROUP}")
         if self.scale_format == "e8m0" and self.group_size != MX_GROUP:
             raise QuantkitError(f"MX formats put one E8M0 scale on each {MX_GROUP} weights, not {self.group_size}")
+        if self.unpacked and (
+            self.is_float or self.bits != 8 or self.activations is not None or not self.symmetric or self.act_order
+        ):
+            raise QuantkitError(
+                "unpacked codes are for symmetric 8-bit INT weights in their own column order with 16-bit "
+                f"activations (a byte per code); {self.name.removesuffix('-unpacked')} is written packed"
+            )
         if self.block and (self.group_size != 0 or self.block < 0):
             raise QuantkitError(f"block scales ({self.block} x {self.block}) take group_size 0, not {self.group_size}")
 
@@ -201,6 +211,8 @@ class QuantScheme:
             parts.append("actorder-static" if self.static_groups else "actorder")
         if self.mse_clip:
             parts.append("mse")
+        if self.unpacked:
+            parts.append("unpacked")
         name = "-".join(parts)
         return name if self.activations is None else f"{name}+{self.activations.name}"
 

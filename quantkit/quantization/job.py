@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from quantkit.data.calibration import CalibrationSet
+from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec
 from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE
 from quantkit.model.source_weights import SourceWeights, config_json
@@ -101,7 +102,7 @@ def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> s
     spec = {
         "format": FINGERPRINT_FORMAT,
         "solvers": config.steps.canonical(),
-        "schemes": {name: (asdict(s) if s else None) for name, s in assignment.schemes.items()},
+        "schemes": {name: (_scheme_spec(s) if s else None) for name, s in assignment.schemes.items()},
         "batch_size": config.batch_size,
         "activation_observer": config.activation_observer,
         "kv_cache": config.kv_cache_scheme,
@@ -111,3 +112,11 @@ def solve_fingerprint(config: QuantizeConfig, assignment: SchemeAssignment) -> s
     if config.compute_dtype != DEFAULT_COMPUTE_DTYPE:  # the same: the default adds nothing
         spec["compute_dtype"] = config.compute_dtype
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _scheme_spec(scheme: QuantScheme) -> dict[str, object]:
+    """A scheme's fields; ``unpacked`` only when set, so that every packed scheme hashes as before the field."""
+    spec = asdict(scheme)
+    if not scheme.unpacked:
+        del spec["unpacked"]
+    return spec

@@ -30,9 +30,9 @@ from torch import nn
 from quantkit.errors import QuantkitError
 from quantkit.format.files import read_checkpoint_config, scale_dtypes, shard_files
 from quantkit.format.loader import keeps_stored_dtype
-from quantkit.format.quant_embedding import dense_embedding
+from quantkit.format.quant_embedding import densify_embeddings
 from quantkit.format.quantization_config import QuantizationLayout, parse_quantization_config
-from quantkit.format.tensors import QUANTIZED_PARTS, SCALE
+from quantkit.format.tensors import SCALE
 from quantkit.model.architectures import GATE_UP, QKV, arch_for_model_type
 from quantkit.model.gpt_oss import is_mxfp4, per_expert_state
 from quantkit.runtime.attention_backend import AttentionMetadata
@@ -270,18 +270,6 @@ def _apply_layout(model: CausalLM, layout: QuantizationLayout, scale_dtypes: Map
     return count
 
 
-def _dequantize_embeddings(model: CausalLM, layout: QuantizationLayout, state: dict[str, torch.Tensor]) -> None:
-    """A quantized embedding's tensors in ``state`` replaced by its dense table (the runtime looks rows up in one)."""
-    for name, module in model.named_modules():
-        scheme = layout.scheme_for(name, ["Embedding"]) if isinstance(module, nn.Embedding) else None
-        if scheme is None or f"{name}.weight" in state:
-            continue
-        table = dense_embedding(state, name, scheme, module.weight.dtype).to(state[f"{name}.{SCALE}"].device)
-        for part in QUANTIZED_PARTS:
-            state.pop(f"{name}.{part}", None)
-        state[f"{name}.weight"] = table
-
-
 def _load_state(files: list[Path], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """All checkpoint tensors on ``device``; float tensors cast to ``dtype`` except codes and quantization scales
     (read as the format loader reads them)."""
@@ -319,7 +307,7 @@ def load_model(
 
     state = per_expert_state(_load_state(files, dtype, device))  # gpt_oss's files hold fused experts
     if layout is not None:
-        _dequantize_embeddings(model, layout, state)
+        densify_embeddings(model, layout, state)
     if layout is not None and layout.kv_cache is not None:  # the cache runs in FP8 under these (model_runner)
         attentions = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
         register_kv_scale_buffers(attentions, state, cfg.num_kv_heads)

@@ -53,7 +53,12 @@ def test_round_trip_load_dump_load_is_equal():
 def test_shipped_recipes_validate():
     names = sorted(p.name for p in (REPO / "recipes").glob("*.yaml"))
     assert {"ci.yaml", "w4-rtn.yaml", "w4-gptq.yaml", "w4-awq.yaml", "w4-awq-gptq.yaml", "w8.yaml"} <= set(names)
-    assert {"mixed-4.5.yaml", "best-at-w4-size.yaml", "best-at-w3-size.yaml"} <= set(names)
+    assert {
+        "mixed-4.5.yaml",
+        "best-at-w4-size.yaml",
+        "best-at-w3-size.yaml",
+        "best-at-w4-size-transformers.yaml",
+    } <= set(names)
     for path in (REPO / "recipes").glob("*.yaml"):
         load_recipe(path)
 
@@ -624,12 +629,12 @@ def test_a_missing_plan_is_refused_at_load_naming_where_it_looked_and_the_fix(tm
         load_recipe(tmp_path / "r.yaml")
 
 
-@pytest.mark.parametrize("size", ["w4", "w3"])
+@pytest.mark.parametrize("size", ["w4-size", "w3-size", "w4-size-transformers"])
 def test_the_shipped_size_plans_cover_every_smollm2_linear_and_fit_their_recipes_size_gate(size: str) -> None:
     from quantkit.mixed.plan_file import load_plan
 
-    recipe = load_recipe(REPO / "recipes" / f"best-at-{size}-size.yaml")
-    assert recipe.quantization.plan == str(REPO / "recipes" / "plans" / f"smollm2-135m-{size}-size.yaml")
+    recipe = load_recipe(REPO / "recipes" / f"best-at-{size}.yaml")
+    assert recipe.quantization.plan == str(REPO / "recipes" / "plans" / f"smollm2-135m-{size}.yaml")
     assert recipe.quantization.compute_dtype == "bfloat16"  # measured indistinguishable from float32, and faster
     projections = ("q_proj", "k_proj", "v_proj", "o_proj")
     modules = [f"model.layers.{i}.self_attn.{p}" for i in range(30) for p in projections]
@@ -638,3 +643,8 @@ def test_the_shipped_size_plans_cover_every_smollm2_linear_and_fit_their_recipes
     assert plan.model == "smollm2-135m" and plan.unmatched == [] and len(plan.assignment) == 210
     assert plan.outer["untied_head"] and "rotation" in recipe.quantization.solvers.model_dump(exclude_none=True)
     assert plan.budget["max_size_mb"] <= recipe.gates.max_checkpoint_mb
+    # transformers 5.22 loads a quantized embedding only unpacked, which takes int8 (docs/formats.md)
+    unpacked = recipe.quantization.solvers.model_dump(exclude_none=True).get("embed_quant", {}).get("layout")
+    assert (plan.outer["embedding"]["scheme"], unpacked) == (
+        ("int8", "unpacked") if size.endswith("transformers") else ("w4g64", None)
+    )

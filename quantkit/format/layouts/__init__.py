@@ -1,7 +1,8 @@
 """The checkpoint layouts of a quantized Linear, one module per compressed-tensors format, and which format a
 scheme is written in: the first of compressed-tensors' own priority order whose compressor takes the scheme
 (``compressed_tensors.compressors.format.COMPRESSION_FORMAT_PRIORITY``: MXFP4, MXFP8, NVFP4, int-quantized,
-pack-quantized, float-quantized, naive-quantized), so quantkit and llm-compressor write a preset the same way."""
+pack-quantized, float-quantized, naive-quantized), so quantkit and llm-compressor write a preset the same way; an
+unpacked scheme is naive-quantized, the format a config group may ask compressed-tensors for."""
 
 from __future__ import annotations
 
@@ -39,6 +40,8 @@ def layout_for(scheme: QuantScheme) -> Layout:
         return MXFP4_PACKED if scheme.scale_format == "e8m0" else NVFP4_PACKED
     if scheme.is_float and scheme.scale_format == "e8m0":
         return MXFP8_QUANTIZED
+    if scheme.unpacked:  # compressed-tensors writes it so when a group's format asks for it
+        return NAIVE_QUANTIZED
     if not scheme.is_float:
         return PACK_QUANTIZED if scheme.activations is None else INT_QUANTIZED
     return NAIVE_QUANTIZED if scheme.activations is None else FLOAT_QUANTIZED

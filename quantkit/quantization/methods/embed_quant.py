@@ -10,7 +10,7 @@ untied and the rotated table is the one quantized. The blocks are calibrated on 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,6 +26,9 @@ from quantkit.quantization.methods.hooks import Hooks, JobView, WorkView
 from quantkit.quantization.methods.registry import Capabilities, Role, Switch, option, register
 from quantkit.quantization.solvers.grid import quantize_rtn
 
+PACKED, UNPACKED = "packed", "unpacked"
+EMBEDDING_LAYOUTS = (PACKED, UNPACKED)
+
 
 @dataclass(frozen=True)
 class EmbedQuantConfig:
@@ -34,13 +37,29 @@ class EmbedQuantConfig:
         "Quantize the embedding (an untied one, or with --rotate hadamard): none, int8, w4g64, w<bits>g<group>.",
         flag="--quantize-embedding",
     )
+    layout: str = option(
+        PACKED,
+        "How the quantized embedding is stored: packed (into int32 words; vLLM loads it) or unpacked (int8 codes a "
+        "byte each, compressed-tensors' naive-quantized; transformers loads it). unpacked takes int8.",
+        flag="--embedding-layout",
+    )
 
     def __post_init__(self) -> None:
-        head_scheme(self.scheme, "rtn")  # the same spellings as --quantize-head, checked before any work
+        if self.layout not in EMBEDDING_LAYOUTS:
+            raise QuantkitError(f"unknown embedding layout '{self.layout}'; use one of {', '.join(EMBEDDING_LAYOUTS)}")
+        _ = self.resolved  # the spelling (the same as --quantize-head's) and the layout, checked before any work
 
     @property
     def resolved(self) -> QuantScheme | None:
-        return head_scheme(self.scheme, "rtn")
+        scheme = head_scheme(self.scheme, "rtn")
+        if scheme is None or self.layout == PACKED:
+            return scheme
+        if scheme.bits != 8:
+            raise QuantkitError(
+                f"--embedding-layout {UNPACKED} stores a byte per weight, and --quantize-embedding {self.scheme} has "
+                f"{scheme.bits}-bit codes; use --quantize-embedding int8 (or the packed layout)"
+            )
+        return replace(scheme, unpacked=True)
 
 
 class _Hooks(Hooks):

@@ -94,7 +94,7 @@ def loads_in(
 def _add_outer(verdict: EngineVerdict, support: Support, key: str, what: str) -> None:
     """A verdict on a part that is no Linear layer (the KV cache, the embedding) added to the engine's."""
     if support.loads:
-        verdict.summary += f"; {what}: {support.kernel.removeprefix(what + ': ')}"
+        verdict.summary += f"; {what}: {support.kernel}"
     else:
         verdict.loads = False
         verdict.summary += f"; {what} refused ({support.reason})"

@@ -83,7 +83,7 @@ def embedding_problem(scheme: QuantScheme) -> str | None:
 def transformers_embedding(scheme: QuantScheme) -> Support:
     """transformers 5.22's verdict on a quantized embedding (``inspect``'s "Loads in" table)."""
     if scheme.unpacked:
-        return Support("embedding: unpacked int8")
+        return Support("unpacked int8")
     return Support(
         None, "a packed embedding (transformers 5.22 loads an unpacked int8 one: --embedding-layout unpacked)"
     )
@@ -94,7 +94,7 @@ def vllm_embedding(scheme: QuantScheme) -> Support:
     if scheme.unpacked:
         return Support(None, "unpacked; vLLM reads embed_tokens.weight_packed")
     problem = embedding_problem(scheme)
-    return Support("embedding lookup") if problem is None else Support(None, problem)
+    return Support("packed, lookup") if problem is None else Support(None, problem)
 
 
 def outer_markdown() -> str:

@@ -1,6 +1,8 @@
-"""Embedding quantization (``--quantize-embedding``): the token table written as a quantized embedding
-(compressed-tensors ``pack-quantized``, packed along the hidden size like a Linear's weight), rounded to nearest
-with a range search per group: a lookup has no input statistics to weigh the rounding by.
+"""Embedding quantization (``--quantize-embedding``): the token table written as a quantized embedding, rounded to
+nearest with a range search per group (a lookup has no input statistics to weigh the rounding by), in one of two
+layouts (``--embedding-layout``): compressed-tensors ``pack-quantized``, packed along the hidden size like a Linear's
+weight (vLLM loads it), or, for int8, ``naive-quantized``, the codes a byte each as ``weight`` itself (transformers
+loads it). No one layout loads in both.
 
 vLLM loads a quantized embedding for symmetric INT weights per channel or in groups, for lookups only
 (``quantkit.format.outer_engines``): an embedding tied to the head is refused (quantizing it would quantize the head

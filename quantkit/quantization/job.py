@@ -15,7 +15,7 @@ import torch
 from quantkit.data.calibration import CalibrationSet
 from quantkit.format.scheme import QuantScheme
 from quantkit.model.architectures import ArchSpec
-from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE
+from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE, compute_dtype
 from quantkit.model.source_weights import SourceWeights, config_json
 from quantkit.quantization.assignment import (
     SchemeAssignment,
@@ -56,6 +56,23 @@ class QuantizeJob:
     @property
     def unties_head(self) -> bool:
         return self.steps.any_cap("unties_head")
+
+    @property
+    def calibration_ids(self) -> torch.Tensor | None:
+        return None if self.calibration is None else self.calibration.input_ids
+
+    @property
+    def forward_dtype(self) -> torch.dtype:
+        return compute_dtype(self.config.compute_dtype)
+
+    @property
+    def residual_basis(self) -> torch.Tensor | None:
+        """The rotation folded into the residual stream (from the rotation's prepared state), else None."""
+        for step in self.steps:
+            basis = step.hooks.residual_basis(self.states.get(step.name))
+            if basis is not None:
+                return basis
+        return None
 
     def fingerprints(self) -> dict[str, str]:
         """What the output depends on, recorded in the work directory and the checkpoint's log."""

@@ -44,6 +44,9 @@ class JobView(Protocol):
     weights: SourceWeights
     storage: torch.dtype
     unties_head: bool  # an algorithm of the job gives the checkpoint a head of its own
+    calibration_ids: torch.Tensor | None  # the calibration windows [n, T] (None: a data-free run)
+    forward_dtype: torch.dtype  # the precision of the forward passes (--compute-dtype)
+    residual_basis: torch.Tensor | None  # the orthogonal Q folded into the residual stream (x -> x Q); None: none
 
 
 class WorkView(Protocol):
@@ -149,6 +152,10 @@ class Hooks:
         self, state: Any, outer: dict[str, torch.Tensor], input_ids: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor | None:
         """The first block's calibration input, when it is not the source's embedding of ``input_ids``."""
+        return None
+
+    def residual_basis(self, state: Any) -> torch.Tensor | None:
+        """The orthogonal matrix this algorithm folds into the residual stream (a rotation), else None."""
         return None
 
     def fold(self, state: Any, block: nn.Module, index: int) -> None:

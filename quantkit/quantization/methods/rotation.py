@@ -149,6 +149,9 @@ class _Hooks(Hooks):
     ) -> torch.Tensor:
         return state.embed_inputs(outer, input_ids, dtype)
 
+    def residual_basis(self, state: Any) -> torch.Tensor | None:
+        return state.matrices.residual
+
     def fold(self, state: Any, block: nn.Module, index: int) -> None:
         state.fold(block, index)
 

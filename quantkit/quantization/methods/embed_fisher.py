@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn import functional
 
 from quantkit.model.architectures import ArchSpec
-from quantkit.model.blocks import BlockRunner, get_module
+from quantkit.model.blocks import BlockRunner, embed, get_module
 from quantkit.model.source_weights import (
     SourceWeights,
     build_skeleton,
@@ -52,13 +52,14 @@ def residual_fisher(
     layers = get_module(model, arch.layers_path)
     runner = BlockRunner.for_model(model, arch, int(input_ids.shape[1]), compute_dtype=forward_dtype)
     generator = torch.Generator().manual_seed(seed)
+    first = _embedded(model, arch, weights, input_ids)  # every window's at once: one read of the table
     fisher: torch.Tensor | None = None
     count = 0
     with progress_bar(show_progress) as bar:
         task = bar.add_task("embedding Fisher", total=int(input_ids.shape[0]), unit="window")
         for start in range(0, int(input_ids.shape[0]), CHUNK_WINDOWS):
-            ids = input_ids[start : start + CHUNK_WINDOWS]
-            kept = [_embedded(model, arch, weights, ids)]
+            windows = first[start : start + CHUNK_WINDOWS]
+            kept = [windows]
             for index, layer in enumerate(layers):
                 load_module(layer, f"{arch.layers_path}.{index}", weights)
                 kept.append(runner.run(layer, kept[-1], out_dtype=torch.float32))
@@ -73,7 +74,7 @@ def residual_fisher(
             rows = grad.reshape(-1, grad.shape[-1]).double()
             fisher = rows.T @ rows if fisher is None else fisher + rows.T @ rows
             count += rows.shape[0]
-            bar.advance(task, len(ids))
+            bar.advance(task, windows.shape[0])
     assert fisher is not None, "no calibration windows"
     return fisher / count
 
@@ -82,8 +83,7 @@ def _embedded(model: nn.Module, arch: ArchSpec, weights: SourceWeights, ids: tor
     """The first block's input for ``ids`` (the embedding module as the model applies it, scale included)."""
     embedding = get_module(model, arch.embed_path)
     load_module(embedding, arch.embed_path, weights)
-    with torch.inference_mode():
-        hidden = embedding(ids).float()
+    hidden = embed(model, arch, ids, torch.float32)
     release_module(embedding)
     return hidden
 

@@ -83,7 +83,7 @@ def run_gguf_quantize(
     # --float-targets without GPTQ was refused by config_from_options, in the compressed-tensors path's words; with
     # gguf:auto the budget's ranking (round-to-nearest error under the float Hessians) does not depend on the
     # targets, so the planned types are solved on float targets like a named mix's
-    float_targets = any(isinstance(c, FloatTargetsConfig) for c in config.solvers)
+    float_targets = next((c for c in config.solvers if isinstance(c, FloatTargetsConfig)), None)
     if config.method not in METHODS or others:
         got = ", ".join(others) or config.method
         raise QuantkitError(f"--format gguf:{mix} solves with --method {' or '.join(METHODS)} alone; got {got}")

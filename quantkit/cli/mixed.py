@@ -13,6 +13,8 @@ from quantkit.mixed.candidates import DEFAULT_CANDIDATES
 from quantkit.mixed.measurement import MODE_HELP
 from quantkit.mixed.outer_units import DEFAULT_OUTER
 from quantkit.mixed.sensitivity import SensitivityConfig
+from quantkit.quantization.methods.rotation import OFF as ROTATION_OFF
+from quantkit.quantization.methods.rotation import RotationConfig
 
 
 @app.command()
@@ -48,6 +50,16 @@ def sensitivity(
     outer_candidates: Annotated[
         str, typer.Option(help="With --outer: head/embedding schemes to measure beside float (int8, w<bits>g<group>).")
     ] = ",".join(DEFAULT_OUTER),
+    rotate: Annotated[
+        str,
+        typer.Option(
+            help="Measure on the model as `quantize --rotate hadamard` holds it (the same rotation folded in, the head "
+            "untied), for a plan of a rotated run; none: the model as it is."
+        ),
+    ] = ROTATION_OFF,
+    rotate_seed: Annotated[
+        int, typer.Option(help="With --rotate: the rotation's seed (quantize's --rotate-seed).")
+    ] = RotationConfig().seed,
     device: DeviceOption = SensitivityConfig.device,
 ) -> None:
     """Measure each layer's error under each candidate scheme (reusable for any budget).
@@ -68,6 +80,7 @@ def sensitivity(
         device=device,
         outer=outer,
         outer_candidates=[c.strip() for c in outer_candidates.split(",") if c.strip()],
+        rotation=RotationConfig(kind=rotate, seed=rotate_seed),
     )
     measurement = measure_sensitivity(model, config, output)
     title = f"Sensitivity ({mode}) of {model}: {len(measurement.units)} units -> {output}"
@@ -100,7 +113,11 @@ def plan(
         ),
     ] = "none",
     untied_head: Annotated[
-        bool, typer.Option(help="With --whole-model: the run unties a tied head (--rotate hadamard) and pays for it.")
+        bool,
+        typer.Option(
+            help="With --whole-model: the run unties a tied head (--rotate hadamard) and pays for it (implied by a "
+            "measurement taken with --rotate)."
+        ),
     ] = False,
     embedding: Annotated[
         str,

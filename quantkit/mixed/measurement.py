@@ -32,6 +32,8 @@ from quantkit.schemas.validate import rule_error, validate
 FORMAT = "quantkit-measurement"
 VERSION = 1
 MODES = ("proxy", "kl", "hybrid")
+# metadata key of a measurement taken on the rotated model (`sensitivity --rotate`): the rotation's run-log entry
+ROTATION_KEY = "rotation"
 OUTER_NAMES = ("head", "embedding")  # the units outside the blocks that `sensitivity --outer` measures
 # The default mode of `quantkit sensitivity`, the Python API and recipes (SensitivityConfig.mode): hybrid plans beat
 # the best fitting uniform scheme at every budget of the sweep, while proxy plans, quicker to measure, lose to
@@ -82,6 +84,11 @@ class Measurement:
 
     def outer_unit(self, name: str) -> OuterMeasurement | None:
         return next((o for o in self.outer if o.name == name), None)
+
+    @property
+    def rotation(self) -> dict[str, Any] | None:
+        """The rotation the units were measured under (``sensitivity --rotate``), or None: the model as it is."""
+        return self.metadata.get(ROTATION_KEY)
 
     @property
     def total_params(self) -> int:

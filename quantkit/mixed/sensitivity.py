@@ -11,6 +11,11 @@ model's (each unit is measured alone). Modes:
   unit's candidates well (same Hessian) but is not comparable across layers (activation scales and downstream
   gain differ); one KL forward per unit makes it so.
 
+``rotation`` (``--rotate hadamard``): the units are measured on the model as a ``quantize --rotate hadamard`` run
+holds it, with the same rotation folded into every block, the embedding and the (then untied) head, so that a plan
+for a rotated run is priced on the weights that run solves (a rotation moves sensitivity between layers: it spreads
+the outlier channels that make the unrotated q/k/v and down_proj costly at 4 bits).
+
 ``proxy`` is the fast option (no full-model forward, the float model is never held whole); its plans rank a
 layer's own candidates but lose to uniform schemes at low budgets, since its errors do not compare across layers
 (the sweep is in docs/benchmarks.md, "Mixed precision").
@@ -35,7 +40,14 @@ from quantkit.errors import QuantkitError
 from quantkit.format.scheme import QuantScheme
 from quantkit.mixed.candidates import DEFAULT_CANDIDATES, parse_candidate
 from quantkit.mixed.expert_units import is_expert_unit_stage, merge_expert_units
-from quantkit.mixed.measurement import DEFAULT_MODE, MODES, Measurement, UnitMeasurement, save_measurement
+from quantkit.mixed.measurement import (
+    DEFAULT_MODE,
+    MODES,
+    ROTATION_KEY,
+    Measurement,
+    UnitMeasurement,
+    save_measurement,
+)
 from quantkit.mixed.outer_units import DEFAULT_OUTER, SOLVERS, check_outer_candidates, measure_outer
 from quantkit.mixed.unit_error import KLReference, UnitMeter
 from quantkit.model.architectures import ArchSpec
@@ -46,6 +58,8 @@ from quantkit.quantization.block_loop import embed_inputs, stage_hessians, walk_
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods import registry
 from quantkit.quantization.methods.composition import JobSteps, parse_method, with_solver_options
+from quantkit.quantization.methods.rotation import OFF as ROTATION_OFF
+from quantkit.quantization.methods.rotation import RotationConfig, job_rotation, rotate_loaded_model
 from quantkit.quantization.solvers.gptq import GPTQSettings
 from quantkit.quantization.spill import SpillFile
 
@@ -70,6 +84,11 @@ class SensitivityConfig:
     show_progress: bool = True
     outer: bool = False  # also measure the head and the embedding as units (outer_units.py); kl/hybrid only
     outer_candidates: list[str] = field(default_factory=lambda: list(DEFAULT_OUTER))  # --quantize-head spellings
+    rotation: RotationConfig | None = None  # fold this rotation first, as quantize does (None or kind none: no)
+
+    @property
+    def rotates(self) -> bool:
+        return self.rotation is not None and self.rotation.kind != ROTATION_OFF
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -115,15 +134,24 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         SpillFile(Path(scratch) / "down_inputs.spill") as spill,  # see StagedBlock: spares the output the MLP
     ):
         storage = weights.storage_dtype()
+        rotation = job_rotation(config.rotation, source, arch, weights) if config.rotates else None
+        outer_rotated = None if rotation is None else rotation.outer_tensors(weights)
         meter = UnitMeter(arch, solved_as, config.gptq, storage, config.mode)
         if config.mode != "proxy":  # the whole float model, for the final logits
             skeleton, lazy = load_model(source, device=device), None
+            if rotation is not None:
+                assert outer_rotated is not None
+                rotate_loaded_model(skeleton, rotation, outer_rotated)
             meter.kl = _kl_reference(skeleton, arch, calibration.input_ids[: config.kl_windows].to(device))
         else:
             skeleton, lazy = build_skeleton(source), weights
         runner = BlockRunner.for_model(skeleton, arch, calibration.seq_len, config.batch_size, device=device)
         ids = calibration.input_ids.to(device) if lazy is None else calibration.input_ids  # where the embedding is
-        hidden = embed_inputs(skeleton, arch, lazy, ids, storage).to(device)
+        if rotation is not None and lazy is not None:  # the blocks stream in: the first input from the rotated table
+            assert outer_rotated is not None
+            hidden = rotation.embed_inputs(outer_rotated, ids, storage).to(device)
+        else:
+            hidden = embed_inputs(skeleton, arch, lazy, ids, storage).to(device)
         visits = walk_blocks(
             skeleton,
             arch,
@@ -134,6 +162,8 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
         )
         on_cpu = device.type == "cpu"  # the spill file spares CPU memory; on a GPU activations stay on it
         for visit in visits:
+            if rotation is not None and lazy is not None:  # a streamed block: folded as quantize folds it
+                rotation.fold(visit.module, visit.index)
             layer = arch.for_layer(visit.index)  # a hybrid model's layers have their own attention stages
             staged = StagedBlock(visit.module, layer, runner, hidden, spill=spill if on_cpu else None)
             experts = []  # an MoE block's MLP stages: one unit per layer (expert_units.py)
@@ -167,7 +197,8 @@ def measure_sensitivity(model: str | Path, config: SensitivityConfig, output: Pa
             "kl_windows": config.kl_windows if config.mode != "proxy" else None,
             "seconds": round(time.perf_counter() - start, 1),
         }
-        | ({"outer_solvers": dict(SOLVERS)} if outer else {}),
+        | ({"outer_solvers": dict(SOLVERS)} if outer else {})
+        | ({} if rotation is None else {ROTATION_KEY: rotation.log()}),
         outer=outer,
     )
     if output is not None:

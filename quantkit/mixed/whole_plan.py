@@ -7,7 +7,7 @@ whose errors are final-logit KL values, the scale of the linears' kl/hybrid erro
 :func:`quantkit.mixed.whole_model.outer_cost` counts them, plus a bound on the safetensors headers
 (:func:`~quantkit.mixed.whole_model.header_bits`), so that the files fit S MB. A head tied to the embedding has no
 bits and no choice of its own, and neither may be quantized, unless the run unties it (``--untied-head``, for
-``--rotate hadamard``).
+``--rotate hadamard``; implied by a measurement taken with ``sensitivity --rotate``).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ def whole_model_plan(
     """The least-error plan whose whole checkpoint (linears, head, embedding, norms, biases) fits ``max_size_mb``;
     ``head`` / ``embedding``: a ``--quantize-head`` spelling, or ``auto`` to choose among the measured ones."""
     head, embedding = head.strip().lower(), embedding.strip().lower()
+    untied_head = untied_head or measurement.rotation is not None  # measured rotated: the run unties the head
     auto = [name for name, value in (("head", head), ("embedding", embedding)) if value == AUTO]
     for name in auto:
         if measurement.outer_unit(name) is None:

@@ -31,7 +31,8 @@ def gguf_stages(run: RecipeRun, calib_path: Path, output: Path) -> None:
     configs = q.solver_configs()
     gptq = next((c for c in configs if isinstance(c, GPTQConfig)), None)
     rotation = next((c for c in configs if isinstance(c, RotationConfig)), None)
-    float_targets = any(isinstance(c, FloatTargetsConfig) for c in configs)  # GPTQ with it: the schema checked
+    # GPTQ with it: the schema checked
+    float_targets = next((c for c in configs if isinstance(c, FloatTargetsConfig)), None)
     if any(not isinstance(c, (GPTQConfig, RTNConfig, RotationConfig, FloatTargetsConfig)) for c in configs):
         names = ", ".join(type(c).__name__ for c in configs)
         raise QuantkitError(

@@ -35,6 +35,16 @@ def tiny_llama(seed: int = 0, **overrides: object) -> LlamaForCausalLM:
     return model.eval()
 
 
+def perturb_norms(model: torch.nn.Module, seed: int = 1, spread: float = 0.3) -> None:
+    """Set every RMSNorm weight to 1 + spread * N(0, 1), in place: a fresh model's norms are ones, which a rotation
+    fold would absorb trivially."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + spread * torch.randn(param.shape, generator=generator))
+
+
 def rtn_for_tests(
     weight: torch.Tensor,
     scheme: QuantScheme,

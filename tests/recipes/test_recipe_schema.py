@@ -648,5 +648,6 @@ def test_the_shipped_size_plans_cover_every_smollm2_linear_and_fit_their_recipes
     assert (plan.outer["embedding"]["scheme"], embed_quant.get("layout")) == (
         ("int8", "unpacked") if size.endswith("transformers") else ("w4g64", None)
     )
-    # the W4 embedding is solved under the Fisher where it was measured better (docs/benchmarks.md)
-    assert embed_quant.get("solver") == ("gptq" if size == "w4-size" else None)
+    # the W4 g64 embeddings are solved under the Fisher, measured better out of domain; an int8 table has nothing to
+    # gain (docs/benchmarks.md, "Measurements behind the defaults")
+    assert embed_quant.get("solver") == (None if size.endswith("transformers") else "gptq")

@@ -65,7 +65,7 @@ class GGUFOutputConfig:
     device: str = "cpu"
     show_progress: bool = True
     rotation: Any = None  # a RotationConfig folded before solving (--rotate); None: none
-    float_targets: bool = False  # GPTQ fits the float model's outputs (--float-targets; see float_path)
+    float_targets: Any = None  # a FloatTargetsConfig: GPTQ fits the float model's outputs (see float_path); None: no
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ def quantize_to_gguf(model: str, config: GGUFOutputConfig, output: Path, write: 
     mix_of(config.mix)  # an unknown mix is refused before anything else
     if config.solve.method not in METHODS:
         raise QuantkitError(f"GGUF output solves with {' or '.join(METHODS)}; got method '{config.solve.method}'")
-    if config.float_targets:
+    if config.float_targets is not None:
         check_float_targets(config.solve.method)  # GPTQ only, in the compressed-tensors path's words
     check_output(output, config.force)
     with output_lock(output):
@@ -160,7 +160,15 @@ def _quantize_locked(model: str, config: GGUFOutputConfig, output: Path, write: 
     seconds = time.perf_counter() - start
     folded = "none" if rotation is None else rotation.job.config.name
     return GGUFResult(
-        output, name, config.solve.method, seconds, size, peak_rss_mb(), records, folded, config.float_targets
+        output,
+        name,
+        config.solve.method,
+        seconds,
+        size,
+        peak_rss_mb(),
+        records,
+        folded,
+        config.float_targets is not None,
     )
 
 
@@ -211,8 +219,10 @@ def _solve_all(
         ids = calibration.input_ids
         hidden = torch.nn.functional.embedding(ids, emb.dequantized).to(device)
         runner = BlockRunner.for_model(skeleton, arch, calibration.seq_len, config.batch_size, device=device)
-        if config.float_targets:  # from the float (rotated) embedding's rows; the quantized stream from the decoded
-            floats = FloatStream(torch.nn.functional.embedding(ids, emb_source.float()).to(device), config.solve.gptq)
+        if config.float_targets is not None:  # from the float (rotated) embedding's rows; the quantized stream from
+            # the decoded ones
+            reference = torch.nn.functional.embedding(ids, emb_source.float()).to(device)
+            floats = FloatStream(reference, config.float_targets, config.solve.gptq)
     del emb_source
     keep(embedding, emb)
     del emb

@@ -49,10 +49,11 @@ def check_float_targets(method: str) -> None:
 class FloatStream:
     """The float model's hidden stream beside the quantized one, and the targets it gives each linear."""
 
-    def __init__(self, reference: torch.Tensor, gptq: GPTQSettings | None = None) -> None:
+    def __init__(self, reference: torch.Tensor, targets: FloatTargetsConfig, gptq: GPTQSettings | None = None) -> None:
         self.reference: torch.Tensor | None = reference  # [windows, seq, hidden]: the float input of the next block
-        # GPTQ's relative damping (its default when the run names no settings): the target is damped as the solve
-        self.damp = float((gptq or GPTQConfig()).damp)
+        # GPTQ's relative damping (its default when the run names no settings) plus the targets' ridge, as the
+        # compressed-tensors path damps them
+        self.damp = float((gptq or GPTQConfig()).damp) + targets.ridge
 
     def companion(self, block: nn.Module, arch: ArchSpec, runner: BlockRunner) -> FloatCompanion:
         """The float path of ``block`` (float weights: call before any of its linears is overwritten), on the

@@ -133,6 +133,21 @@ def job_rotation(config: RotationConfig, source: Path, arch: ArchSpec, weights: 
     return JobRotation(config, matrices, arch, tied=tied, heads_skipped=heads_skipped)
 
 
+def rotate_loaded_model(model: nn.Module, rotation: JobRotation, outer: dict[str, torch.Tensor]) -> None:
+    """Fold ``rotation`` into a whole loaded float model, in place, as a run folds it block by block: every decoder
+    block, then ``outer`` (:meth:`JobRotation.outer_tensors`) as the embedding, the final norm and a head of its own
+    (a tied head becomes a separate parameter, and the config says so, as the checkpoint would)."""
+    arch = rotation.arch
+    for index, block in enumerate(get_module(model, arch.layers_path)):
+        rotation.fold(block, index)
+    for name, tensor in outer.items():
+        module = get_module(model, name.rpartition(".")[0])
+        current = module.weight
+        module.weight = nn.Parameter(tensor.to(current.device, current.dtype), requires_grad=False)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.config.tie_word_embeddings = False
+
+
 def _layer_kind(arch: ArchSpec, index: int) -> str:
     return arch.layer_kinds[index] if arch.mixers else ""
 

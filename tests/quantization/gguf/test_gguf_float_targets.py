@@ -17,7 +17,7 @@ import pytest
 import torch
 from export.test_gguf import bpe_tokenizer
 from helpers.cli import run_cli
-from helpers.tiny import tiny_calibration, tiny_llama
+from helpers.tiny import perturb_norms, tiny_calibration, tiny_llama
 
 from quantization.gguf.test_gguf_output import decoded
 from quantization.gguf.test_gguf_rotation import Q8_0_TOLERANCE, _logit_error
@@ -28,6 +28,7 @@ from quantkit.quantization.gguf import driver
 from quantkit.quantization.gguf.mixes import mix_of
 from quantkit.quantization.gguf.plan import plan_gguf
 from quantkit.quantization.gguf.solve import SolveSettings
+from quantkit.quantization.methods.float_targets import FloatTargetsConfig
 from quantkit.quantization.methods.gptq import GPTQConfig
 
 MIX = "Q3_K_S"  # 3 bits everywhere: an error that builds up over the blocks, which float targets correct
@@ -51,11 +52,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         num_hidden_layers=4,
         tie_word_embeddings=True,
     )
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+    perturb_norms(model)
     model.save_pretrained(path)
     bpe_tokenizer().save_pretrained(path)
     return path
@@ -183,7 +180,7 @@ def test_the_first_block_s_targets_make_up_for_the_quantized_embedding(model_dir
         calibration_file=calib,
         types={"model.embed_tokens.weight": "F16"},
         show_progress=False,
-        float_targets=True,
+        float_targets=FloatTargetsConfig(),
     )
     spy = _Spy()
     with pytest.MonkeyPatch.context() as patch:
@@ -216,7 +213,7 @@ def test_round_to_nearest_with_float_targets_is_refused_in_one_line(model_dir, t
 def test_the_driver_refuses_float_targets_without_gptq(model_dir, tmp_path) -> None:
     from quantkit.errors import QuantkitError
 
-    config = driver.GGUFOutputConfig(mix=MIX, solve=SolveSettings(method="rtn"), float_targets=True)
+    config = driver.GGUFOutputConfig(mix=MIX, solve=SolveSettings(method="rtn"), float_targets=FloatTargetsConfig())
     with pytest.raises(QuantkitError, match="float targets work only with gptq"):
         driver.quantize_to_gguf(str(model_dir), config, tmp_path / "x.gguf", write_typed_gguf)
     assert list(tmp_path.iterdir()) == []

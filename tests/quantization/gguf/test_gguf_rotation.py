@@ -15,7 +15,7 @@ import pytest
 import torch
 from export.test_gguf import bpe_tokenizer
 from helpers.cli import run_cli
-from helpers.tiny import tiny_llama
+from helpers.tiny import perturb_norms, tiny_llama
 
 from quantization.gguf.test_gguf_output import _quantize, decoded
 from quantkit.format.gguf_file import tensor_nbytes
@@ -40,11 +40,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = tiny_llama(
         bos_token_id=1, eos_token_id=2, vocab_size=300, hidden_size=256, intermediate_size=512, tie_word_embeddings=True
     )
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn(param.shape, generator=generator))
+    perturb_norms(model)
     model.save_pretrained(path)
     bpe_tokenizer().save_pretrained(path)
     return path

@@ -56,10 +56,13 @@ def shared_calibration(recipes: dict[str, object], work: Path) -> Path:
 def what_recipe_does(recipe: object) -> str:
     q = recipe.quantization  # type: ignore[attr-defined]
     solvers = ", ".join(name for name, value in q.solvers.model_dump().items() if value is not None)
-    from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE
+    from quantkit.device import resolve_device
+    from quantkit.model.precision import DEFAULT_COMPUTE_DTYPE, resolve_compute_dtype
 
-    if q.compute_dtype != DEFAULT_COMPUTE_DTYPE:  # the forward passes' products
-        solvers += f"; {q.compute_dtype} forward passes"
+    # the forward passes' products on this machine: auto as the run resolves it
+    dtype = resolve_compute_dtype(q.compute_dtype, resolve_device(recipe.device))  # type: ignore[attr-defined]
+    if dtype != DEFAULT_COMPUTE_DTYPE:
+        solvers += f"; {dtype} forward passes"
     if q.plan is not None:
         return f"plan {Path(q.plan).name}; {solvers}"
     scheme = q.quant_scheme()

@@ -45,6 +45,25 @@ def test_every_doc_the_readme_links_exists() -> None:
         assert (REPO / target).is_file(), target
 
 
+def test_every_section_a_comment_or_doc_points_to_is_a_heading_of_that_doc() -> None:
+    # References read `docs/benchmarks.md, "Mixed precision"`: the quoted words start one of the doc's headings.
+    reference = re.compile(r'(docs/[\w-]+\.md), "([^"]+)"')
+    sources = [
+        *REPO.glob("quantkit/**/*.py"),
+        *REPO.glob("recipes/*.yaml"),
+        *REPO.glob("benchmarks/*.py"),
+        *DOCS.glob("*.md"),
+    ]
+    found = 0
+    for source in sources:
+        for doc, wrapped in reference.findall(source.read_text()):
+            section = re.sub(r"\s*\n\s*#?\s*", " ", wrapped)  # a reference may wrap across comment lines
+            headings = re.findall(r"^#+ (.+)$", (REPO / doc).read_text(), flags=re.MULTILINE)
+            assert any(heading.startswith(section) for heading in headings), f"{source}: {doc} has no {section!r}"
+            found += 1
+    assert found >= 5  # the pattern still matches how the references are written
+
+
 def test_the_import_rules_in_internals_are_the_tests() -> None:
     table = _between((DOCS / "internals.md").read_text(), "import-rules")
     documented = {}

@@ -19,7 +19,7 @@ from quantkit.device import DEFAULT_DEVICE, DEVICE_HELP, resolve_device
 from quantkit.errors import QuantkitError
 from quantkit.format.engines import EXPORT_SUPPORT, FALLBACK, LAYOUT_POLICIES, LAYOUT_POLICY_HELP
 from quantkit.format.scheme import KVCacheScheme, QuantScheme
-from quantkit.model.precision import COMPUTE_DTYPE_HELP, DEFAULT_COMPUTE_DTYPE, compute_dtype
+from quantkit.model.precision import COMPUTE_DTYPE_HELP, DEFAULT_COMPUTE_DTYPE, check_compute_dtype_name
 from quantkit.model.staged_moe import MOE_CALIBRATION_MODES
 from quantkit.quantization.input_ranges import OBSERVERS
 from quantkit.quantization.methods.composition import (
@@ -148,7 +148,7 @@ class QuantizeConfig:
         self.steps  # noqa: B018 (checks the algorithms)
         if self.batch_size < 1:
             raise QuantkitError(f"--batch-size must be positive, got {self.batch_size}")
-        compute_dtype(self.compute_dtype)  # an unknown name is refused with the choices
+        check_compute_dtype_name(self.compute_dtype)  # an unknown name is refused with the choices
         if self.layout_policy not in LAYOUT_POLICIES:
             raise QuantkitError(
                 f"unknown layout policy '{self.layout_policy}'; use one of {', '.join(LAYOUT_POLICIES)}"

@@ -28,7 +28,7 @@ from quantkit.faults import commit_point
 from quantkit.format.files import RUN_LOG
 from quantkit.memory import peak_rss_mb, release_freed_memory
 from quantkit.model.blocks import BlockRunner
-from quantkit.model.precision import compute_dtype
+from quantkit.model.precision import compute_dtype, resolve_compute_dtype
 from quantkit.model.source_weights import SourceWeights, build_skeleton
 from quantkit.progress import Interrupted
 from quantkit.quantization.block_loop import embed_inputs, walk_blocks
@@ -218,6 +218,9 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
     if config.needs_calibration:
         calibration = calibration_for_model(model, config.calibration, config.calibration_file, load_tokenizer(source))
     release_freed_memory()  # tokenization's temporaries
+    device = resolve_device(config.device)
+    # auto becomes this device's precision here, once: the fingerprint, the log and every pass read the resolved one
+    config = replace(config, compute_dtype=resolve_compute_dtype(config.compute_dtype, device))
     job = QuantizeJob(
         model=model,
         config=config,
@@ -230,7 +233,7 @@ def _prepare(model: str, config: QuantizeConfig, output: Path, weights: SourceWe
         assignment=assignment,
         calibration=calibration,
         steps=config.steps,
-        device=resolve_device(config.device),
+        device=device,
     )
     for step in job.steps:  # each algorithm's checks and job-wide state, before any work
         job.states[step.name] = step.hooks.prepare(step.config, job)

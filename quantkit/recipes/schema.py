@@ -29,7 +29,7 @@ from quantkit.mixed.measurement import MODES, CandidateName, outer_spelling
 from quantkit.mixed.outer_units import check_outer_candidates
 from quantkit.mixed.sensitivity import SensitivityConfig
 from quantkit.mixed.whole_plan import AUTO
-from quantkit.model.precision import COMPUTE_DTYPES
+from quantkit.model.precision import COMPUTE_DTYPE_NAMES
 from quantkit.quantization.config import QuantizeConfig
 from quantkit.quantization.methods.composition import DEFAULT_METHOD, JobSteps, resolve_scheme
 from quantkit.recipes.legacy import upgrade_flat_keys
@@ -71,7 +71,7 @@ def _outer_choice(value: str) -> str:
 
 OuterChoice = Annotated[str, AfterValidator(_outer_choice)]  # a head/embedding scheme (none: float), or auto
 LayoutPolicy = one_of(LAYOUT_POLICIES)
-ComputeDtype = one_of(tuple(COMPUTE_DTYPES))
+ComputeDtype = one_of(COMPUTE_DTYPE_NAMES)
 Preset = one_of(PRESETS)
 SolversSection = solvers_model()
 OutputFormat = one_of(OUTPUT_FORMATS)

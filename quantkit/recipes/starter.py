@@ -46,7 +46,7 @@ quantization:
   ignore: []                   # regexes of linears kept in float, e.g. ['layers\\.0\\.mlp']
   layout_policy: @layout@      # fallback (a smaller group where one does not divide) | strict (stop) | quantkit-only
   batch_size: @batch_size@     # calibration windows per forward pass
-  compute_dtype: @compute@     # the forward passes' products: float32 | bfloat16 (faster where the CPU has AVX512-BF16)
+  compute_dtype: @compute@     # the forward passes' products: float32 | bfloat16 | auto (bfloat16 where native)
   # Instead of one scheme (remove `scheme` then): a per-layer plan under a budget ...
   # mixed:
   #   target_bits: 4.5         # or max_size_mb: 60

@@ -15,7 +15,7 @@ from quantkit.quantization.solvers.tune import OPTIMIZERS, Optimizer, tune_block
 
 # Learning rates at the start of the linear decay, the same for any number of steps: rates that shrink with the
 # step count made more steps worthless, and higher rates fit each block better without helping the whole model
-# (the sweeps are in docs/benchmarks.md, "Block-output tuning").
+# (the sweeps are in docs/benchmarks.md, "Measurements behind the defaults").
 OFFSET_LR = 0.03
 SCALE_LR = 0.015
 
